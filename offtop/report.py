@@ -1,0 +1,333 @@
+"""Snapshots as text, JSON lines and folded stacks (the headless contract).
+
+JSON is also the recording format: `snapshot_from_json` reads back what
+`snapshot_to_json` wrote, which is how `ReplaySource` plays recordings.
+"""
+
+from __future__ import annotations
+
+import time as _time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from offtop.model import (
+    BlockedNow,
+    CaptureStats,
+    Frame,
+    LongBlock,
+    ProcessRow,
+    Snapshot,
+    StackRow,
+    TaskRow,
+)
+from offtop.units import format_ns
+
+FORMATS = ("text", "json", "folded")
+
+
+# --- JSON ---------------------------------------------------------------
+
+
+def _state_ns(m: Mapping[str, int]) -> dict[str, int]:
+    out = {"S": 0, "D": 0}
+    out.update(m)
+    return out
+
+
+def _frames_json(frames: Sequence[Frame]) -> list[str]:
+    return [f.name for f in frames]
+
+
+def _modules_json(frames: Sequence[Frame]) -> list[str]:
+    return [f.module for f in frames]
+
+
+def stats_to_json(s: CaptureStats) -> dict[str, Any]:
+    """The `stats` object of a JSON snapshot."""
+    return {
+        "events": s.events,
+        "lost": s.lost,
+        "stack_errors": s.stack_errors_total,
+        "stack_errors_by_cause": dict(s.stack_errors),
+        "events_total": s.events_total,
+        "lost_total": s.lost_total,
+        "truncated_stacks": s.truncated_stacks,
+        "symbol_misses": s.symbol_misses,
+        "agg_entries": s.agg_entries,
+        "stacks_used": s.stacks_used,
+        "stacks_capacity": s.stacks_capacity,
+        "stacks_reclaimed": s.stacks_reclaimed,
+        "probe_run_ns": s.probe_run_ns,
+        "probe_runs": s.probe_runs,
+        "probe_ns_per_switch": round(s.probe_ns_per_switch, 1),
+        "probe_cpu_pct": round(s.probe_cpu_pct, 3),
+        "switches_per_s": round(s.switches_per_s, 1),
+        "events_per_s": round(s.events_per_s, 1),
+    }
+
+
+def snapshot_to_json(snap: Snapshot) -> dict[str, Any]:
+    """One JSON object for one interval (see README, 'Headless output')."""
+    return {
+        "time": round(snap.time, 6),
+        "seq": snap.seq,
+        "interval_s": round(snap.interval_s, 6),
+        "threshold_ns": snap.threshold_ns,
+        "stats": stats_to_json(snap.stats),
+        "tasks": [
+            {
+                "pid": t.pid,
+                "tid": t.tid,
+                "comm": t.comm,
+                "offcpu_ns": t.offcpu_ns,
+                "count": t.count,
+                "max_ns": t.max_ns,
+                "state_ns": _state_ns(t.state_ns),
+                "total_ns": t.total_ns,
+                "events": t.events,
+            }
+            for t in snap.tasks
+        ],
+        "processes": [
+            {
+                "pid": p.pid,
+                "comm": p.comm,
+                "threads": p.threads,
+                "offcpu_ns": p.offcpu_ns,
+                "count": p.count,
+                "max_ns": p.max_ns,
+                "state_ns": _state_ns(p.state_ns),
+                "total_ns": p.total_ns,
+                "events": p.events,
+            }
+            for p in snap.processes
+        ],
+        "stacks": [
+            {
+                "pid": s.pid,
+                "tid": s.tid,
+                "comm": s.comm,
+                "state": s.state,
+                "offcpu_ns": s.offcpu_ns,
+                "count": s.count,
+                "max_ns": s.max_ns,
+                "kernel": _frames_json(s.kernel),
+                "user": _frames_json(s.user),
+                "user_modules": _modules_json(s.user),
+            }
+            for s in snap.stacks
+        ],
+        "long_blocks": [
+            {
+                "time": round(b.time, 6),
+                "pid": b.pid,
+                "tid": b.tid,
+                "comm": b.comm,
+                "state": b.state,
+                "duration_ns": b.duration_ns,
+                "cgroup_id": b.cgroup_id,
+                "kernel": _frames_json(b.kernel),
+                "user": _frames_json(b.user),
+            }
+            for b in snap.long_blocks
+        ],
+        "blocked_now": [
+            {
+                "pid": b.pid,
+                "tid": b.tid,
+                "comm": b.comm,
+                "state": b.state,
+                "blocked_ns": b.blocked_ns,
+                "kernel": _frames_json(b.kernel),
+                "user": _frames_json(b.user),
+            }
+            for b in snap.blocked_now
+        ],
+    }
+
+
+def _frames(names: Iterable[str], kernel: bool, modules: Sequence[str] = ()) -> tuple[Frame, ...]:
+    mods = list(modules)
+    return tuple(
+        Frame(name=n, module=mods[i] if i < len(mods) else "", kernel=kernel)
+        for i, n in enumerate(names)
+    )
+
+
+def _drop_zero_states(m: Mapping[str, int]) -> dict[str, int]:
+    return {k: int(v) for k, v in m.items() if v}
+
+
+def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
+    """Rebuild a snapshot from `snapshot_to_json` output."""
+    st = d.get("stats", {})
+    stats = CaptureStats(
+        events=int(st.get("events", 0)),
+        lost=int(st.get("lost", 0)),
+        events_total=int(st.get("events_total", 0)),
+        lost_total=int(st.get("lost_total", 0)),
+        stack_errors=dict(st.get("stack_errors_by_cause", {})),
+        truncated_stacks=int(st.get("truncated_stacks", 0)),
+        symbol_misses=int(st.get("symbol_misses", 0)),
+        agg_entries=int(st.get("agg_entries", 0)),
+        stacks_used=int(st.get("stacks_used", 0)),
+        stacks_capacity=int(st.get("stacks_capacity", 0)),
+        stacks_reclaimed=int(st.get("stacks_reclaimed", 0)),
+        probe_run_ns=int(st.get("probe_run_ns", 0)),
+        probe_runs=int(st.get("probe_runs", 0)),
+        interval_s=float(d.get("interval_s", 1.0)),
+    )
+    return Snapshot(
+        seq=int(d.get("seq", 0)),
+        time=float(d["time"]),
+        interval_s=float(d["interval_s"]),
+        threshold_ns=int(d["threshold_ns"]),
+        tasks=tuple(
+            TaskRow(
+                pid=t["pid"],
+                tid=t["tid"],
+                comm=t["comm"],
+                offcpu_ns=t["offcpu_ns"],
+                count=t["count"],
+                max_ns=t["max_ns"],
+                state_ns=_drop_zero_states(t["state_ns"]),
+                total_ns=t.get("total_ns", t["offcpu_ns"]),
+                events=t.get("events", 0),
+            )
+            for t in d.get("tasks", ())
+        ),
+        processes=tuple(
+            ProcessRow(
+                pid=p["pid"],
+                comm=p["comm"],
+                threads=p["threads"],
+                offcpu_ns=p["offcpu_ns"],
+                count=p["count"],
+                max_ns=p["max_ns"],
+                state_ns=_drop_zero_states(p["state_ns"]),
+                total_ns=p.get("total_ns", p["offcpu_ns"]),
+                events=p.get("events", 0),
+            )
+            for p in d.get("processes", ())
+        ),
+        stacks=tuple(
+            StackRow(
+                pid=s["pid"],
+                tid=s["tid"],
+                comm=s["comm"],
+                state=s["state"],
+                offcpu_ns=s["offcpu_ns"],
+                count=s["count"],
+                max_ns=s.get("max_ns", 0),
+                kernel=_frames(s["kernel"], True),
+                user=_frames(s["user"], False, s.get("user_modules", ())),
+            )
+            for s in d.get("stacks", ())
+        ),
+        long_blocks=tuple(
+            LongBlock(
+                time=b["time"],
+                pid=b["pid"],
+                tid=b["tid"],
+                comm=b["comm"],
+                state=b["state"],
+                duration_ns=b["duration_ns"],
+                kernel=_frames(b["kernel"], True),
+                user=_frames(b["user"], False),
+                cgroup_id=b.get("cgroup_id", 0),
+            )
+            for b in d.get("long_blocks", ())
+        ),
+        blocked_now=tuple(
+            BlockedNow(
+                pid=b["pid"],
+                tid=b["tid"],
+                comm=b["comm"],
+                state=b["state"],
+                blocked_ns=b["blocked_ns"],
+                kernel=_frames(b["kernel"], True),
+                user=_frames(b["user"], False),
+            )
+            for b in d.get("blocked_now", ())
+        ),
+        stats=stats,
+    )
+
+
+# --- folded -------------------------------------------------------------
+
+
+def _fold_name(name: str) -> str:
+    # flamegraph.pl splits on ';' and on the last space.
+    return name.replace(";", ":").replace(" ", "_") or "[unknown]"
+
+
+def folded_lines(snap: Snapshot) -> list[str]:
+    """`comm;user outermost..innermost;kernel outermost..innermost value_us`."""
+    lines = []
+    for s in snap.stacks:
+        us = round(s.offcpu_ns / 1000)
+        if us <= 0:
+            continue
+        parts = [_fold_name(s.comm)]
+        parts += [_fold_name(f.name) for f in reversed(s.user)]
+        parts += [_fold_name(f.name) for f in reversed(s.kernel)]
+        lines.append(f"{';'.join(parts)} {us}")
+    return lines
+
+
+# --- text ---------------------------------------------------------------
+
+
+def _pct(ns: int, interval_s: float) -> str:
+    if interval_s <= 0:
+        return "-"
+    return f"{100.0 * ns / (interval_s * 1e9):5.1f}%"
+
+
+def text_report(snap: Snapshot, *, top_tasks: int = 20, top_stacks: int = 5) -> str:
+    """A top-like report of one interval."""
+    st = snap.stats
+    when = _time.strftime("%H:%M:%S", _time.localtime(snap.time))
+    out = [
+        f"offtop {when}  interval {snap.interval_s:.2f}s  threshold {format_ns(snap.threshold_ns)}"
+        f"  events {st.events} (lost {st.lost})  stack errors {st.stack_errors_total}"
+        f"  probe {st.probe_ns_per_switch:.0f}ns/switch {st.switches_per_s:.0f} switches/s",
+        f"{'PID':>7} {'TID':>7} {'COMM':<16} {'OFF-CPU':>8} {'%INT':>6} {'S':>8} {'D':>8}"
+        f" {'COUNT':>7} {'MAX':>8} {'TOTAL':>8}",
+    ]
+    for t in snap.tasks[:top_tasks]:
+        out.append(
+            f"{t.pid:>7} {t.tid:>7} {t.comm[:16]:<16} {format_ns(t.offcpu_ns):>8}"
+            f" {_pct(t.offcpu_ns, snap.interval_s):>6} {format_ns(t.state_ns.get('S', 0)):>8}"
+            f" {format_ns(t.state_ns.get('D', 0)):>8} {t.count:>7} {format_ns(t.max_ns):>8}"
+            f" {format_ns(t.total_ns):>8}"
+        )
+    if len(snap.tasks) > top_tasks:
+        out.append(f"  ... {len(snap.tasks) - top_tasks} more tasks")
+    if snap.stacks and top_stacks:
+        out.append("top stacks:")
+        for s in snap.stacks[:top_stacks]:
+            out.append(
+                f"  {format_ns(s.offcpu_ns):>8} {s.comm} ({s.pid}/{s.tid}) {s.state}"
+                f" count {s.count} max {format_ns(s.max_ns)}"
+            )
+            if s.kernel:
+                out.append("      kernel: " + " <- ".join(f.name for f in s.kernel[:8]))
+            if s.user:
+                out.append("      user:   " + " <- ".join(f.name for f in s.user[:8]))
+    if snap.long_blocks:
+        out.append(f"long blocks (>= {format_ns(snap.threshold_ns)}): {len(snap.long_blocks)}")
+        for b in snap.long_blocks[-5:]:
+            top = b.user[0].name if b.user else (b.kernel[0].name if b.kernel else "?")
+            out.append(
+                f"  {b.comm} ({b.pid}/{b.tid}) {b.state} {format_ns(b.duration_ns)} in {top}"
+            )
+    if snap.blocked_now:
+        out.append("blocked now:")
+        for bn in snap.blocked_now[:5]:
+            top = bn.user[0].name if bn.user else (bn.kernel[0].name if bn.kernel else "?")
+            out.append(
+                f"  {bn.comm} ({bn.pid}/{bn.tid}) {bn.state} for {format_ns(bn.blocked_ns)} in {top}"
+            )
+    return "\n".join(out)
