@@ -1,0 +1,146 @@
+"""Records of offcpu.c, decoded: ctypes mirrors of its C structs.
+
+Each structure names the C struct it must match field for field; a size
+check in the tests keeps them honest. Nothing here talks to the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import struct
+from dataclasses import dataclass
+
+# Normalized prev_state bits (offcpu.c ST_*; the kernel's TASK_REPORT order).
+STATE_BITS: dict[int, str] = {
+    0x01: "S",
+    0x02: "D",
+    0x04: "T",
+    0x08: "t",
+    0x10: "X",
+    0x20: "Z",
+    0x40: "P",
+    0x80: "I",
+    0x100: "R",
+}
+STATE_MASKS: dict[str, int] = {v: k for k, v in STATE_BITS.items()}
+DEFAULT_STATES = "SDI"
+
+# offcpu.c C_* counter slots, in order.
+COUNTERS = (
+    "ustack_efault",
+    "ustack_enomem",
+    "ustack_eexist",
+    "ustack_other",
+    "kstack_efault",
+    "kstack_enomem",
+    "kstack_eexist",
+    "kstack_other",
+    "start_full",
+    "agg_full",
+    "output_fail",
+    "no_start",
+)
+
+
+def state_name(bits: int) -> str:
+    """The letter of a normalized state value ('?' if unknown)."""
+    return STATE_BITS.get(bits, "?")
+
+
+def state_mask(letters: str) -> int:
+    """A mask for offcpu.c from state letters such as 'SD' or 'SDR'."""
+    mask = 0
+    for ch in letters:
+        if ch not in STATE_MASKS:
+            raise ValueError(
+                f"unknown state {ch!r} in {letters!r}: use letters from "
+                f"{''.join(STATE_MASKS)} (S sleeping, D uninterruptible, I idle, R preempted)"
+            )
+        mask |= STATE_MASKS[ch]
+    return mask
+
+
+class StartRecord(ct.Structure):
+    """Mirrors `struct start_rec` in offcpu.c."""
+
+    _fields_ = [
+        ("ts", ct.c_uint64),
+        ("cgroup_id", ct.c_uint64),
+        ("tgid", ct.c_uint32),
+        ("state", ct.c_uint32),
+        ("ustack", ct.c_int32),
+        ("kstack", ct.c_int32),
+    ]
+
+
+class AggKey(ct.Structure):
+    """Mirrors `struct agg_key` in offcpu.c."""
+
+    _fields_ = [
+        ("tgid", ct.c_uint32),
+        ("tid", ct.c_uint32),
+        ("ustack", ct.c_int32),
+        ("kstack", ct.c_int32),
+        ("state", ct.c_uint32),
+        ("pad", ct.c_uint32),
+    ]
+
+
+class AggValue(ct.Structure):
+    """Mirrors `struct agg_val` in offcpu.c."""
+
+    _fields_ = [
+        ("total_ns", ct.c_uint64),
+        ("max_ns", ct.c_uint64),
+        ("count", ct.c_uint64),
+        ("comm", ct.c_char * 16),
+    ]
+
+
+class OffcpuEvent(ct.Structure):
+    """Mirrors `struct offcpu_event` in offcpu.c (one long block)."""
+
+    _fields_ = [
+        ("end_ns", ct.c_uint64),
+        ("delta_ns", ct.c_uint64),
+        ("cgroup_id", ct.c_uint64),
+        ("tgid", ct.c_uint32),
+        ("tid", ct.c_uint32),
+        ("ustack", ct.c_int32),
+        ("kstack", ct.c_int32),
+        ("state", ct.c_uint32),
+        ("cpu", ct.c_uint32),
+        ("comm", ct.c_char * 16),
+    ]
+
+
+# The same layout for bulk decoding of raw perf-buffer bytes.
+EVENT_STRUCT = struct.Struct("<QQQIIiiII16s")
+assert EVENT_STRUCT.size == ct.sizeof(OffcpuEvent)
+
+
+@dataclass(frozen=True, slots=True)
+class RawEvent:
+    """A decoded long block, stacks still as ids."""
+
+    end_ns: int
+    delta_ns: int
+    cgroup_id: int
+    tgid: int
+    tid: int
+    ustack: int
+    kstack: int
+    state: int
+    cpu: int
+    comm: str
+
+
+def decode_comm(raw: bytes) -> str:
+    """A task comm from its NUL-padded bytes (never fails)."""
+    return raw.split(b"\0", 1)[0].decode("utf-8", errors="replace")
+
+
+def decode_event(buf: bytes | memoryview, offset: int = 0) -> RawEvent:
+    """Decode one `struct offcpu_event` at `offset` in `buf`."""
+    end, delta, cg, tgid, tid, us, ks, st, cpu, comm = EVENT_STRUCT.unpack_from(buf, offset)
+    return RawEvent(end, delta, cg, tgid, tid, us, ks, st, cpu, decode_comm(comm))

@@ -1,0 +1,239 @@
+"""Command line: validate everything first, then run the TUI or batch mode.
+
+Bad input ends with one line on stderr and exit status 2; a machine that
+cannot run offtop ends with one line and status 1; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn, TextIO
+
+from offtop import __version__
+from offtop.bpf.decode import DEFAULT_STATES, state_mask
+from offtop.cgroups import CgroupError, resolve_cgroup
+from offtop.model import Snapshot
+from offtop.report import FORMATS, folded_lines, snapshot_to_json, text_report
+from offtop.source import SnapshotSource
+from offtop.units import DurationError, parse_duration_ns, parse_interval_s
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad input; the message is one line for users."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see offtop --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """offtop's options (the README's table mirrors this)."""
+    p = _Parser(
+        prog="offtop",
+        description="A live, top-like view of where Linux threads spend their time off the CPU.",
+    )
+    p.add_argument("--batch", action="store_true", help="print reports instead of the TUI")
+    p.add_argument("--format", choices=FORMATS, default="text", help="batch output format")
+    p.add_argument("--count", type=str, default=None, metavar="N",
+                   help="exit after N intervals (batch mode)")
+    p.add_argument("--interval", type=str, default="1", metavar="S",
+                   help="refresh interval in seconds (default 1)")
+    p.add_argument("--threshold", type=str, default="500ms", metavar="DUR",
+                   help="blocks this long or longer arrive one by one as events "
+                        "(ns/us/ms/s; a bare number is ms; default 500ms; 0: every block)")
+    p.add_argument("-c", "--cgroup", metavar="PATH",
+                   help="only tasks in this cgroup v2 and its descendants")
+    p.add_argument("-p", "--pid", metavar="PIDS", help="only these processes (comma list)")
+    p.add_argument("-t", "--tid", metavar="TIDS", help="only these threads (comma list)")
+    p.add_argument("--states", default=DEFAULT_STATES, metavar="LETTERS",
+                   help=f"task states to record (default {DEFAULT_STATES}; add R for "
+                        "runqueue wait after preemption)")
+    p.add_argument("--kernel-threads", action="store_true", help="include kernel threads")
+    p.add_argument("--no-kernel-stacks", action="store_true", help="do not capture kernel stacks")
+    p.add_argument("--no-user-stacks", action="store_true", help="do not capture user stacks")
+    p.add_argument("--no-stacks", action="store_true", help="capture no stacks (cheapest)")
+    p.add_argument("--replay", metavar="FILE",
+                   help="show a recording (offtop --batch --format json) instead of live data")
+    p.add_argument("--version", action="version", version=f"offtop {__version__}")
+    return p
+
+
+def parse_ids(text: str, what: str) -> tuple[int, ...]:
+    """A comma list of positive ids; each must name a live process or thread."""
+    ids = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) <= 0:
+            raise UsageError(f"invalid {what} {part!r}: expected positive numbers, e.g. 1234,5678")
+        n = int(part)
+        if n > 4_194_304:
+            raise UsageError(f"invalid {what} {n}: larger than any pid Linux allows")
+        if not Path(f"/proc/{n}").exists():
+            raise UsageError(f"no such {what}: {n}")
+        ids.append(n)
+    return tuple(dict.fromkeys(ids))
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[object, float, int | None]:
+    """Validate every option; return (EngineConfig, interval_s, count)."""
+    from offtop.bpf.engine import EngineConfig
+
+    try:
+        threshold = parse_duration_ns(args.threshold)
+        interval = parse_interval_s(args.interval)
+    except DurationError as e:
+        raise UsageError(str(e)) from None
+    count = None
+    if args.count is not None:
+        if not args.count.isdigit() or int(args.count) <= 0:
+            raise UsageError(f"invalid --count {args.count!r}: expected a positive whole number")
+        count = int(args.count)
+    try:
+        state_mask(args.states)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    pids = parse_ids(args.pid, "pid") if args.pid else ()
+    tids = parse_ids(args.tid, "tid") if args.tid else ()
+    cgroup = None
+    if args.cgroup is not None:
+        try:
+            cgroup = str(resolve_cgroup(args.cgroup))
+        except CgroupError as e:
+            raise UsageError(str(e)) from None
+    scope = []
+    if cgroup:
+        scope.append(f"cgroup {cgroup}")
+    if pids:
+        scope.append("pid " + ",".join(map(str, pids)))
+    if tids:
+        scope.append("tid " + ",".join(map(str, tids)))
+    cfg = EngineConfig(
+        threshold_ns=threshold,
+        states=args.states,
+        kthreads=args.kernel_threads,
+        user_stacks=not (args.no_user_stacks or args.no_stacks),
+        kernel_stacks=not (args.no_kernel_stacks or args.no_stacks),
+        pids=pids,
+        tids=tids,
+        cgroup=cgroup,
+        scope="; ".join(scope),
+    )
+    return cfg, interval, count
+
+
+def _emit(snap: Snapshot, fmt: str, out: TextIO) -> None:
+    if fmt == "json":
+        out.write(json.dumps(snapshot_to_json(snap), separators=(",", ":")) + "\n")
+    elif fmt == "folded":
+        lines = folded_lines(snap)
+        if lines:
+            out.write("\n".join(lines) + "\n")
+    else:
+        out.write(text_report(snap) + "\n\n")
+    out.flush()
+
+
+def run_batch(source: SnapshotSource, fmt: str, interval_s: float, count: int | None,
+              out: TextIO = sys.stdout) -> int:
+    """Print one report per interval until `count` or a signal; then the partial one."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    source.start()
+    n = 0
+    while not stop.is_set():
+        snap = source.next_snapshot(interval_s, stop)
+        if snap is None:
+            break
+        _emit(snap, fmt, out)
+        n += 1
+        if count is not None and n >= count:
+            return EXIT_OK
+    # Interrupted: print what the unfinished interval holds, then leave.
+    last = source.next_snapshot(0.0, threading.Event())
+    if last is not None and (last.tasks or last.long_blocks):
+        _emit(last, fmt, out)
+    return EXIT_OK
+
+
+def _fail(msg: str, code: int) -> int:
+    print(f"offtop: {msg}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `offtop` console entry point."""
+    from offtop.bpf.environment import EnvironmentProblem
+
+    try:
+        args = build_parser().parse_args(argv)
+        if args.replay:
+            return _run_replay(args)
+        cfg, interval, count = config_from_args(args)
+        if not args.batch and not (sys.stdout.isatty() and sys.stdin.isatty()):
+            raise UsageError("stdout is not a terminal: use --batch for text, json or folded output")
+    except UsageError as e:
+        return _fail(f"error: {e}", EXIT_USAGE)
+
+    from offtop.bpf.engine import BpfSource, EngineError
+
+    source = BpfSource(cfg)  # type: ignore[arg-type]
+    try:
+        if args.batch:
+            return run_batch(source, args.format, interval, count)
+        from offtop.app import run_app
+
+        return run_app(source, interval_s=interval)
+    except (EnvironmentProblem, EngineError) as e:
+        return _fail(str(e), EXIT_FAILURE)
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): not an error for a report printer.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except Exception as e:
+        if os.environ.get("OFFTOP_DEBUG"):
+            raise
+        return _fail(f"internal error: {type(e).__name__}: {e} (OFFTOP_DEBUG=1 shows where)",
+                     EXIT_FAILURE)
+    finally:
+        source.close()
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from offtop.source import ReplaySource
+
+    try:
+        interval = parse_interval_s(args.interval)
+        source = ReplaySource.from_jsonl(args.replay)
+    except DurationError as e:
+        raise UsageError(str(e)) from None
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"cannot read recording {args.replay}: {e}") from None
+    if args.batch:
+        return run_batch(source, args.format, 0.0 if not sys.stdout.isatty() else interval, None)
+    from offtop.app import run_app
+
+    return run_app(source, interval_s=interval)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
