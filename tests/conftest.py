@@ -1,0 +1,155 @@
+"""Shared fixtures: known workloads, real BPF gating, running offtop itself.
+
+Real BPF tests are marked `bpf` and use the `bpf_available` fixture: on a
+machine without root/BPF they skip, unless OFFTOP_REQUIRE_BPF=1 (set by
+.ci/run), which turns every such skip into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOAD_SRC = ROOT / "tests" / "workloads" / "offtop_workload.c"
+REQUIRE_BPF = os.environ.get("OFFTOP_REQUIRE_BPF") == "1"
+
+
+def bpf_unavailable_reason() -> str | None:
+    """Why real BPF tests cannot run here, or None when they can."""
+    if sys.platform != "linux":
+        return "not Linux"
+    if os.geteuid() != 0:
+        return "not root"
+    try:
+        from offtop.bpf import environment
+
+        environment.prepare()
+    except Exception as e:  # EnvironmentProblem and anything bcc raises
+        return str(e)
+    return None
+
+
+@pytest.fixture(scope="session")
+def bpf_available() -> None:
+    """Skip (or, under OFFTOP_REQUIRE_BPF=1, fail) when BPF cannot run."""
+    reason = bpf_unavailable_reason()
+    if reason is not None:
+        if REQUIRE_BPF:
+            pytest.fail(f"OFFTOP_REQUIRE_BPF=1 but BPF tests cannot run: {reason}")
+        pytest.skip(f"real BPF tests need root and BPF: {reason}")
+
+
+@pytest.fixture(scope="session")
+def workload_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The compiled test workload (frame pointers on)."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.fail("no C compiler: run the README's test command (it installs gcc)")
+    out = tmp_path_factory.mktemp("workload") / "offtop_workload"
+    subprocess.run(
+        [cc, "-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-o", str(out), str(WORKLOAD_SRC)],
+        check=True,
+    )
+    return out
+
+
+@dataclass
+class Workload:
+    """A running workload process and the thread it measures."""
+
+    proc: subprocess.Popen[str]
+    pid: int
+    tid: int
+
+    def stop(self) -> None:
+        """Kill the whole process group (vfork children included)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=5)
+
+
+_READY = re.compile(r"ready pid=(\d+) tid=(\d+)")
+
+
+def start_workload(binary: Path, *args: str, prefix: list[str] | None = None,
+                   preexec: Any = None) -> Workload:
+    """Start `binary args...` in its own process group; wait for its ready line."""
+    proc = subprocess.Popen(
+        [*(prefix or []), str(binary), *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=preexec,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    m = _READY.search(line)
+    if not m:
+        proc.kill()
+        raise RuntimeError(f"workload {args} did not start: {line!r}")
+    return Workload(proc, int(m.group(1)), int(m.group(2)))
+
+
+@pytest.fixture
+def workloads(workload_bin: Path) -> Iterator[Any]:
+    """A factory of workloads, all stopped at the end of the test."""
+    started: list[Workload] = []
+
+    def start(*args: str, **kw: Any) -> Workload:
+        w = start_workload(workload_bin, *args, **kw)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def run_offtop(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run the real `offtop` command line (as a user would) and capture it."""
+    return subprocess.run(
+        [sys.executable, "-m", "offtop.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def offtop_json(*args: str, count: int = 3, interval: str = "1", timeout: float = 60) -> list[dict[str, Any]]:
+    """`offtop --batch --format json --count N ...`, parsed (one dict per interval)."""
+    r = run_offtop("--batch", "--format", "json", "--count", str(count), "--interval", interval,
+                   *args, timeout=timeout)
+    assert r.returncode == 0, f"offtop failed ({r.returncode}): {r.stderr}"
+    return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+
+
+def task_of(snap: dict[str, Any], tid: int) -> dict[str, Any] | None:
+    """The task row of one thread in a JSON snapshot."""
+    return next((t for t in snap["tasks"] if t["tid"] == tid), None)
+
+
+def wait_until(pred: Any, timeout: float = 5.0, step: float = 0.05) -> bool:
+    """Poll `pred()` until true or the timeout passes."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return bool(pred())
