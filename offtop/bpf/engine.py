@@ -68,6 +68,7 @@ class EngineConfig:
     perf_pages: int = 256
     wakeup_events: int = 64
     subtick_s: float = 0.25
+    first_interval_s: float = 0.5
     blocked_min_ns: int = 5_000_000
     blocked_max: int = 200
     long_blocks_max: int = 1_000
@@ -184,6 +185,10 @@ class BpfSource:
         """Poll the ring until the interval ends, then drain and build a snapshot."""
         if self._bpf is None or self._ring is None:
             raise EngineError("the engine is not started")
+        if self._seq == 0 and interval_s > 0:
+            # The first snapshot comes early so users see data at once; its
+            # interval_s says how long it really covered.
+            interval_s = min(interval_s, self.config.first_interval_s)
         end = self._last_tick + interval_s
         now = self._clock()
         if end < now - interval_s:  # fell far behind (e.g. the process was stopped)

@@ -6,7 +6,7 @@
  * -fno-omit-frame-pointer.
  *
  * Usage: offtop_workload MODE [MS]
- *   sleep MS   a thread sleeps MS ms in a loop            (state S)
+ *   sleep MS [K] a thread sleeps MS ms in a loop (K times, then exits) (state S)
  *   vfork MS   vfork; the child sleeps MS ms, exits; loop  (parent in D)
  *   pipe MS    a thread reads a pipe fed every MS ms       (state S)
  *   futex MS   a thread waits on a futex woken every MS ms (state S)
@@ -45,6 +45,7 @@ static long raw_syscall6(long n, long a, long b, long c, long d, long e, long f)
 }
 
 static int ms_arg = 100;
+static long iterations = -1; /* -1: forever */
 
 static void announce(void)
 {
@@ -70,7 +71,7 @@ static void *sleep_thread(void *arg)
 {
     (void)arg;
     announce();
-    for (;;)
+    for (long i = 0; iterations < 0 || i < iterations; i++)
         offtop_wl_sleep(ms_arg * 1000000L);
     return NULL;
 }
@@ -183,6 +184,8 @@ int main(int argc, char **argv)
     const char *mode = argv[1];
     if (argc > 2)
         ms_arg = atoi(argv[2]);
+    if (argc > 3)
+        iterations = atol(argv[3]);
     pthread_t t;
     if (!strcmp(mode, "sleep")) {
         pthread_create(&t, NULL, sleep_thread, NULL);
