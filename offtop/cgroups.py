@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ class Mount:
 
 def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
     """Mounted filesystems, in mount order."""
-    out = []
+    out: list[Mount] = []
     try:
         text = Path(mountinfo).read_text()
     except OSError:
@@ -46,9 +47,9 @@ def cgroup2_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Path]:
 def _mount_of(path: Path, mountinfo: str) -> Mount | None:
     best: Mount | None = None
     for m in mounts(mountinfo):
-        if path == m.point or m.point in path.parents:
-            if best is None or len(str(m.point)) >= len(str(best.point)):
-                best = m
+        under = path == m.point or m.point in path.parents
+        if under and (best is None or len(str(m.point)) >= len(str(best.point))):
+            best = m
     return best
 
 
@@ -61,14 +62,24 @@ def _v2_path_of_members(v1_dir: Path, mountinfo: str) -> str | None:
         pids = (v1_dir / "cgroup.procs").read_text().split()
     except OSError:
         return None
-    for pid in pids[:1]:
+    for pid in pids[:64]:  # the first ones may exit while we look
         try:
             for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
                 if line.startswith("0::"):
                     return str(v2[0] / line[3:].lstrip("/"))
         except OSError:
-            return None
+            continue
     return None
+
+
+def _is_dir(p: Path) -> bool:
+    """Like Path.is_dir, but a directory offtop may not look into is a `CgroupError`."""
+    try:
+        return stat.S_ISDIR(os.stat(p).st_mode)
+    except PermissionError:
+        raise CgroupError(f"cannot access cgroup {p}: permission denied") from None
+    except OSError:
+        return False
 
 
 def resolve_cgroup(arg: str, *, mountinfo: str = "/proc/self/mountinfo") -> Path:
@@ -80,15 +91,19 @@ def resolve_cgroup(arg: str, *, mountinfo: str = "/proc/self/mountinfo") -> Path
     """
     if not arg or "\0" in arg:
         raise CgroupError("empty cgroup path")
-    path = Path(arg)
-    if not path.exists():
-        for root in cgroup2_mounts(mountinfo):
-            candidate = root / arg.lstrip("/")
-            if candidate.is_dir():
-                path = candidate
-                break
-        else:
-            raise CgroupError(f"cgroup {arg} does not exist")
+    given = Path(arg)
+    # A relative name means the cgroup v2 tree first (-c app), the working
+    # directory only when no cgroup has that name.
+    candidates = [root / arg.lstrip("/") for root in cgroup2_mounts(mountinfo)]
+    if given.is_absolute():
+        candidates.insert(0, given)
+    else:
+        candidates.append(given)
+    path = next((c for c in candidates if _is_dir(c)), None)
+    if path is None:
+        if any(os.path.lexists(c) for c in candidates):
+            raise CgroupError(f"cgroup {arg} is not a directory")
+        raise CgroupError(f"cgroup {arg} does not exist")
     path = path.resolve()
     if not path.is_dir():
         raise CgroupError(f"cgroup {arg} is not a directory")

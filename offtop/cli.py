@@ -87,26 +87,75 @@ def parse_ids(text: str, what: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def parse_interval_arg(text: str) -> float:
+    """--interval in seconds, or a `UsageError`."""
+    try:
+        return parse_interval_s(text)
+    except DurationError as e:
+        raise UsageError(f"--interval: {e}") from None
+
+
+def parse_count(text: str | None) -> int | None:
+    """--count: a positive whole number of intervals, or None for "until stopped"."""
+    if text is None:
+        return None
+    t = text.strip()
+    if not t.isdigit() or int(t) <= 0:
+        raise UsageError(f"invalid --count {text!r}: expected a positive whole number")
+    return int(t)
+
+
+def _value_options(parser: argparse.ArgumentParser) -> set[str]:
+    return {
+        opt
+        for action in parser._actions
+        if action.option_strings and action.nargs is None
+        for opt in action.option_strings
+    }
+
+
+def join_negative_values(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`--threshold -5ms` -> `--threshold=-5ms`, so a negative value reaches its validator.
+
+    argparse takes any word that starts with '-' and is not a plain negative
+    number for an option, and would answer "expected one argument", which
+    does not say what is wrong.
+    """
+    opts = _value_options(parser)
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            out.extend(argv[i:])
+            break
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if a in opts and len(nxt) > 1 and nxt[0] == "-" and (nxt[1].isdigit() or nxt[1] == "."):
+            out.append(f"{a}={nxt}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def config_from_args(args: argparse.Namespace) -> tuple[object, float, int | None]:
     """Validate every option; return (EngineConfig, interval_s, count)."""
     from offtop.bpf.engine import EngineConfig
 
     try:
         threshold = parse_duration_ns(args.threshold)
-        interval = parse_interval_s(args.interval)
     except DurationError as e:
-        raise UsageError(str(e)) from None
-    count = None
-    if args.count is not None:
-        if not args.count.isdigit() or int(args.count) <= 0:
-            raise UsageError(f"invalid --count {args.count!r}: expected a positive whole number")
-        count = int(args.count)
+        raise UsageError(f"--threshold: {e}") from None
+    interval = parse_interval_arg(args.interval)
+    count = parse_count(args.count)
     try:
         state_mask(args.states)
     except ValueError as e:
-        raise UsageError(str(e)) from None
-    pids = parse_ids(args.pid, "pid") if args.pid else ()
-    tids = parse_ids(args.tid, "tid") if args.tid else ()
+        raise UsageError(f"--states: {e}") from None
+    # `is not None`: an empty list (-p '') is an error, not "every process".
+    pids = parse_ids(args.pid, "pid") if args.pid is not None else ()
+    tids = parse_ids(args.tid, "tid") if args.tid is not None else ()
     cgroup = None
     if args.cgroup is not None:
         try:
@@ -174,29 +223,36 @@ def run_batch(source: SnapshotSource, fmt: str, interval_s: float, count: int | 
 
 
 def _fail(msg: str, code: int) -> int:
-    print(f"offtop: {msg}", file=sys.stderr)
+    # One line, always: a message from below (bcc, the kernel) may hold newlines.
+    print("offtop: " + " ".join(msg.split()), file=sys.stderr)
     return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `offtop` console entry point."""
+    from offtop.bpf.engine import BpfSource, EngineError
     from offtop.bpf.environment import EnvironmentProblem
 
+    source: SnapshotSource | None = None
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(join_negative_values(
+            sys.argv[1:] if argv is None else list(argv), parser))
         if args.replay:
-            return _run_replay(args)
-        cfg, interval, count = config_from_args(args)
-        if not args.batch and not (sys.stdout.isatty() and sys.stdin.isatty()):
-            raise UsageError("stdout is not a terminal: use --batch for text, json or folded output")
+            source, interval, count = _replay_source(args)
+        else:
+            cfg, interval, count = config_from_args(args)
+        if not args.batch:
+            check_terminal()
+        if source is None:
+            source = BpfSource(cfg)  # type: ignore[arg-type]
     except UsageError as e:
         return _fail(f"error: {e}", EXIT_USAGE)
 
-    from offtop.bpf.engine import BpfSource, EngineError
-
-    source = BpfSource(cfg)  # type: ignore[arg-type]
     try:
         if args.batch:
+            if args.replay and not sys.stdout.isatty():
+                interval = 0.0  # a recording piped elsewhere: no need to wait
             return run_batch(source, args.format, interval, count)
         from offtop.app import run_app
 
@@ -218,21 +274,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         source.close()
 
 
-def _run_replay(args: argparse.Namespace) -> int:
+def check_terminal() -> None:
+    """The TUI needs a terminal on both ends; say what to use instead."""
+    if not sys.stdout.isatty():
+        raise UsageError("stdout is not a terminal: use --batch for text, json or folded output")
+    if not sys.stdin.isatty():
+        raise UsageError("stdin is not a terminal: the TUI reads keys from it; "
+                         "use --batch for text, json or folded output")
+
+
+def _replay_source(args: argparse.Namespace) -> tuple[SnapshotSource, float, int | None]:
     from offtop.source import ReplaySource
 
+    interval = parse_interval_arg(args.interval)
+    count = parse_count(args.count)
     try:
-        interval = parse_interval_s(args.interval)
         source = ReplaySource.from_jsonl(args.replay)
-    except DurationError as e:
-        raise UsageError(str(e)) from None
-    except (OSError, ValueError, KeyError) as e:
-        raise UsageError(f"cannot read recording {args.replay}: {e}") from None
-    if args.batch:
-        return run_batch(source, args.format, 0.0 if not sys.stdout.isatty() else interval, None)
-    from offtop.app import run_app
-
-    return run_app(source, interval_s=interval)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise UsageError(f"cannot read recording {args.replay}: {msg}") from None
+    return source, interval, count
 
 
 if __name__ == "__main__":

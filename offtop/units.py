@@ -6,7 +6,10 @@ import math
 import re
 
 _UNITS_NS = {"ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
-_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ns|us|µs|ms|s)?\s*$")
+_DURATION = re.compile(
+    r"^\s*(-?)((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*(ns|us|µs|ms|s)?\s*$"
+)
+_UNKNOWN_UNIT = re.compile(r"^\s*-?[0-9.]+(?:[eE][+-]?[0-9]+)?\s*([^\s0-9.].*?)\s*$")
 
 #: The largest threshold accepted: one hour. Longer blocks than that are rare
 #: enough that "never dump" is what such a value would mean; say so instead.
@@ -17,7 +20,9 @@ class DurationError(ValueError):
     """A duration that could not be understood; the message is for users."""
 
 
-def parse_duration_ns(text: str, *, default_unit: str = "ms", max_ns: int = MAX_THRESHOLD_NS) -> int:
+def parse_duration_ns(
+    text: str, *, default_unit: str = "ms", max_ns: int = MAX_THRESHOLD_NS
+) -> int:
     """Parse `500ms`, `2s`, `100us`, `0`, or a bare number in `default_unit`.
 
     Negative, non-finite, unit-less garbage and values above `max_ns` are refused
@@ -25,20 +30,28 @@ def parse_duration_ns(text: str, *, default_unit: str = "ms", max_ns: int = MAX_
     """
     m = _DURATION.match(text)
     if not m:
+        bad_unit = _UNKNOWN_UNIT.match(text)
+        if bad_unit:
+            raise DurationError(
+                f"invalid duration {text!r}: unknown unit {bad_unit.group(1)!r} "
+                "(use ns, us, ms or s)"
+            )
         raise DurationError(
             f"invalid duration {text!r}: expected a number with an optional unit "
             "(ns, us, ms, s), e.g. 500ms"
         )
-    value = float(m.group(1))
-    unit = m.group(2) or default_unit
+    value = float(m.group(2))
+    unit = m.group(3) or default_unit
+    if m.group(1) and value != 0:
+        raise DurationError(f"duration {text!r} is negative")
     ns = value * _UNITS_NS[unit]
     if not math.isfinite(ns) or ns > max_ns:
         raise DurationError(f"duration {text!r} is too large (at most {format_ns(max_ns)})")
-    return int(round(ns))
+    return round(ns)
 
 
 def parse_interval_s(text: str) -> float:
-    """Parse a refresh interval in seconds (a bare number means seconds)."""
+    """Parse a refresh interval in seconds (a bare number means seconds), 0.05 s to 1 h."""
     try:
         ns = parse_duration_ns(text, default_unit="s", max_ns=3_600 * 1_000_000_000)
     except DurationError as e:

@@ -160,9 +160,10 @@ class BpfSource:
 
         src = resources.files("offtop.bpf").joinpath("offcpu.c").read_text()
         try:
-            self._bpf = BPF(text=src, cflags=self.config.cflags())
+            with environment.captured_stderr() as log:
+                self._bpf = BPF(text=src, cflags=self.config.cflags())
         except Exception as e:  # bcc raises bare Exception on compile/load/attach errors
-            raise EngineError(f"could not load the BPF program: {str(e).strip()}") from None
+            raise EngineError(environment.load_failure(str(e), log.text)) from None
         try:
             self._setup_maps()
             self._ring = PerfRing(

@@ -13,8 +13,12 @@ import errno
 import os
 import platform
 import shutil
+import sys
 import tempfile
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 TRACEFS_DIRS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
@@ -59,11 +63,15 @@ def effective_caps() -> int:
     return 0
 
 
-def check_privileges() -> None:
+def check_privileges(*, euid: int | None = None, caps: int | None = None) -> None:
     """Root, or CAP_BPF with CAP_PERFMON (or CAP_SYS_ADMIN); never escalate."""
-    caps = effective_caps()
-    has = lambda bit: bool(caps >> bit & 1)  # noqa: E731
-    if os.geteuid() == 0 and has(CAP_SYS_ADMIN):
+    euid = os.geteuid() if euid is None else euid
+    caps = effective_caps() if caps is None else caps
+
+    def has(bit: int) -> bool:
+        return bool(caps >> bit & 1)
+
+    if euid == 0 and has(CAP_SYS_ADMIN):
         return
     if has(CAP_SYS_ADMIN) or (has(CAP_BPF) and has(CAP_PERFMON)):
         return
@@ -76,29 +84,64 @@ def check_privileges() -> None:
 # --- tracefs ---------------------------------------------------------------
 
 
-def tracefs_dir() -> Path | None:
+def _exists(p: Path) -> bool:
+    try:
+        return p.exists()
+    except OSError:  # EACCES: tracefs is 0700, root's
+        return False
+
+
+def tracefs_dir(dirs: tuple[Path, ...] = TRACEFS_DIRS) -> Path | None:
     """The mounted tracefs with the sched_switch tracepoint, if any."""
-    for d in TRACEFS_DIRS:
-        if (d / "events" / "sched" / "sched_switch" / "format").exists():
+    for d in dirs:
+        if _exists(d / "events" / "sched" / "sched_switch" / "format"):
             return d
     return None
 
 
-def ensure_tracefs() -> Path:
-    """Find tracefs, mounting it at /sys/kernel/tracing when root and missing."""
-    found = tracefs_dir()
+def _mount_tracefs(target: Path) -> int:
+    """mount -t tracefs nodev `target`; 0 or an errno."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.mount(b"nodev", str(target).encode(), b"tracefs", 0, None) != 0:
+        return ctypes.get_errno() or errno.EPERM
+    return 0
+
+
+def ensure_tracefs(
+    dirs: tuple[Path, ...] = TRACEFS_DIRS,
+    *,
+    mount: Callable[[Path], int] = _mount_tracefs,
+    can_mount: bool | None = None,
+) -> Path:
+    """Find tracefs, mounting it at dirs[0] when root and missing."""
+    found = tracefs_dir(dirs)
     if found:
         return found
-    target = TRACEFS_DIRS[0]
-    if target.is_dir() and not any(target.iterdir()):
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        if libc.mount(b"nodev", str(target).encode(), b"tracefs", 0, None) != 0:
-            err = ctypes.get_errno()
+    for d in dirs:
+        try:
+            os.stat(d / "events")
+        except PermissionError:
+            raise EnvironmentProblem(
+                f"cannot read tracefs at {d} (permission denied): run offtop as root"
+            ) from None
+        except OSError:
+            pass
+    target = dirs[0]
+    if can_mount is None:
+        can_mount = os.geteuid() == 0
+    if not can_mount:
+        raise EnvironmentProblem(
+            f"tracefs is not mounted: as root, run 'mount -t tracefs nodev {target}' "
+            "(offtop does it itself when run as root)"
+        )
+    if _exists(target) and target.is_dir() and not any(target.iterdir()):
+        err = mount(target)
+        if err:
             raise EnvironmentProblem(
                 f"tracefs is not mounted and mounting it failed ({os.strerror(err)}): "
                 f"run 'mount -t tracefs nodev {target}' as root"
             )
-        found = tracefs_dir()
+        found = tracefs_dir(dirs)
         if found:
             return found
     if (target / "events").is_dir():
@@ -115,14 +158,14 @@ def ensure_tracefs() -> Path:
 # --- the BPF syscall ---------------------------------------------------------
 
 
-def check_bpf_syscall() -> None:
-    """Create and free a one-slot array map: proves the bpf() syscall works."""
+def _create_array_map() -> tuple[int, int]:
+    """bpf(BPF_MAP_CREATE) of a one-slot array: (fd, 0) or (-1, errno); (-2, 0) if unknown."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     nr = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "s390x": 351, "ppc64le": 361}.get(
         platform.machine()
     )
     if nr is None:
-        return  # unknown syscall number: let bcc find out
+        return (-2, 0)  # unknown syscall number: let bcc find out
 
     class _MapCreate(ctypes.Structure):
         _fields_ = [("map_type", ctypes.c_uint32), ("key_size", ctypes.c_uint32),
@@ -131,10 +174,17 @@ def check_bpf_syscall() -> None:
 
     attr = _MapCreate(map_type=2, key_size=4, value_size=8, max_entries=1)  # BPF_MAP_TYPE_ARRAY
     fd = libc.syscall(nr, 0, ctypes.byref(attr), ctypes.sizeof(attr))  # BPF_MAP_CREATE
+    return (fd, 0) if fd >= 0 else (-1, ctypes.get_errno())
+
+
+def check_bpf_syscall(create_map: Callable[[], tuple[int, int]] = _create_array_map) -> None:
+    """Create and free a one-slot array map: proves the bpf() syscall works."""
+    fd, err = create_map()
     if fd >= 0:
         os.close(fd)
         return
-    err = ctypes.get_errno()
+    if fd == -2:
+        return
     if err == errno.ENOSYS:
         raise EnvironmentProblem("this kernel has no BPF support (CONFIG_BPF_SYSCALL is off)")
     if err == errno.EPERM:
@@ -159,7 +209,9 @@ def check_bcc_importable() -> None:
             "with --system-site-packages"
         ) from None
     except OSError as e:  # libbcc.so itself missing or broken
-        raise EnvironmentProblem(f"bcc's library could not be loaded ({e}): reinstall libbpfcc") from None
+        raise EnvironmentProblem(
+            f"bcc's library could not be loaded ({e}): reinstall libbpfcc"
+        ) from None
 
 
 # --- kernel headers ------------------------------------------------------------
@@ -189,31 +241,38 @@ def _version_key(name: str) -> tuple[int, ...]:
 def find_kernel_headers(
     *, release: str | None = None, usr_src: Path = Path("/usr/src"),
     modules: Path = Path("/lib/modules"), cache: Path = HEADER_CACHE,
-    env: dict[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
+    kheaders: Path = Path("/sys/kernel/kheaders.tar.xz"),
 ) -> HeaderChoice:
-    """Find a header tree: the running kernel's, kheaders, BCC_KERNEL_SOURCE, distro headers.
+    """Find a header tree: BCC_KERNEL_SOURCE, the running kernel's, kheaders, distro headers.
 
+    BCC_KERNEL_SOURCE comes first because bcc itself obeys it whenever it is
+    set: a bad value must be reported here, not as a compiler error later.
     offtop's BPF program reads no kernel struct, so any kernel's headers do.
     Debian splits a tree into `-<arch>` (generated headers) and `-common`
     (the rest); bcc expects one tree, so the two are joined by a symlink farm
     under /run/offtop, never under /lib/modules.
     """
     release = release or platform.release()
-    env = os.environ if env is None else env  # type: ignore[assignment]
-    build = modules / release / "build"
-    if _has_includes(build):
-        return HeaderChoice("running kernel", build, None)
-    if Path("/sys/kernel/kheaders.tar.xz").exists():
-        return HeaderChoice("kheaders", None, None)
+    env = os.environ if env is None else env
     user_tree = env.get("BCC_KERNEL_SOURCE")
     if user_tree:
         p = Path(user_tree)
         if not _has_includes(p):
-            raise EnvironmentProblem(f"BCC_KERNEL_SOURCE={user_tree} has no include/linux directory")
+            raise EnvironmentProblem(
+                f"BCC_KERNEL_SOURCE={user_tree} has no include/linux directory: unset it, "
+                f"or point it at a kernel header tree (e.g. from {headers_package()})"
+            )
         return HeaderChoice("BCC_KERNEL_SOURCE", p, str(p))
+    build = modules / release / "build"
+    if _has_includes(build):
+        return HeaderChoice("running kernel", build, None)
+    if kheaders.exists():
+        return HeaderChoice("kheaders", None, None)
     arch = debian_arch()
     candidates = sorted(
-        (d for d in usr_src.glob("linux-headers-*") if d.is_dir() and not d.name.endswith("-common")),
+        (d for d in usr_src.glob("linux-headers-*")
+         if d.is_dir() and not d.name.endswith("-common")),
         key=lambda d: (d.name.endswith(f"-{arch}"), _version_key(d.name)),
         reverse=True,
     )
@@ -284,3 +343,69 @@ def prepare() -> HeaderChoice:
         os.environ["BCC_KERNEL_SOURCE"] = choice.source_env
     check_bcc_importable()
     return choice
+
+
+# --- compile and load failures ---------------------------------------------------
+
+
+@dataclass(slots=True)
+class CapturedLog:
+    """What C code wrote to fd 2 inside `captured_stderr()`."""
+
+    text: str = field(default="")
+
+
+@contextmanager
+def captured_stderr() -> Iterator[CapturedLog]:
+    """Collect what clang and libbpf write to fd 2 while bcc compiles and loads.
+
+    A verifier rejection makes libbcc print the whole verifier log, dozens
+    of lines, straight to fd 2; offtop reports one line and keeps the log
+    in a file. fd 2 is process-wide, so it is only borrowed on the main
+    thread (batch mode); in the TUI, a worker thread loads the program while
+    the screen is drawn on fd 2, which must not be taken away.
+    """
+    log = CapturedLog()
+    if threading.current_thread() is not threading.main_thread():
+        yield log
+        return
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield log
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            log.text = tmp.read(4 << 20).decode(errors="replace")
+
+
+def _log_reason(log: str) -> str:
+    """The line of a clang or verifier log that says what went wrong."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for ln in lines:
+        if " error: " in ln or ln.startswith("error:"):
+            return ln
+    for i, ln in enumerate(lines):
+        if ln.startswith("processed ") and " insns" in ln and i > 0:
+            return lines[i - 1]
+    return ""
+
+
+def load_failure(error: str, log: str) -> str:
+    """One line for a failed compile or load; the full log goes to a file."""
+    msg = f"could not load the BPF program: {error.strip()}"
+    reason = _log_reason(log)
+    if reason and reason not in msg:
+        msg += f" ({reason})"
+    if log.strip():
+        try:
+            fd, path = tempfile.mkstemp(prefix="offtop-bpf-load-", suffix=".log")
+            with os.fdopen(fd, "w") as f:
+                f.write(log)
+            msg += f"; full log in {path}"
+        except OSError:
+            pass
+    return " ".join(msg.split())

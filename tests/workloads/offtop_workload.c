@@ -12,6 +12,11 @@
  *   futex MS   a thread waits on a futex woken every MS ms (state S)
  *   spin       a thread spins on the CPU                   (about 0 off-CPU)
  *   pingpong N two processes bounce a byte over pipes N times, print ns/round trip
+ *   stacks N   a thread blocks ~100us at the end of N distinct call paths, in turn
+ *              (recursion through offtop_wl_stack_a/_b; N distinct user stacks)
+ *   churn R    fork R short-lived children per second; each sleeps 1 ms in
+ *              offtop_wl_child_sleep and exits (children are auto-reaped)
+ *   pingrate R two threads bounce a byte over pipes, about R context switches/s
  * Prints "ready pid=P tid=T" once the measured thread runs (flushes).
  */
 #define _GNU_SOURCE
@@ -21,6 +26,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <signal.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <linux/futex.h>
@@ -175,10 +181,140 @@ static int pingpong(long rounds)
     return 0;
 }
 
+/* --- stacks N: many distinct user stacks ------------------------------- */
+
+static volatile long stack_sink;
+
+__attribute__((noinline)) void offtop_wl_stack_block(void)
+{
+    struct timespec ts = { 0, 100000 };
+    long ret;
+    INLINE_SYSCALL3(ret, SYS_nanosleep, &ts, 0, 0);
+    (void)ret;
+}
+
+__attribute__((noinline)) void offtop_wl_stack_a(unsigned long path, int depth);
+__attribute__((noinline)) void offtop_wl_stack_b(unsigned long path, int depth);
+
+/* Each level calls _a or _b by one bit of `path`, so each path value is a
+ * distinct chain of return addresses. The store after each call keeps the
+ * compiler from turning it into a tail call (which would drop the frame). */
+static inline void stack_step(unsigned long path, int depth)
+{
+    if (depth == 0)
+        offtop_wl_stack_block();
+    else if (path & 1)
+        offtop_wl_stack_a(path >> 1, depth - 1);
+    else
+        offtop_wl_stack_b(path >> 1, depth - 1);
+}
+
+__attribute__((noinline)) void offtop_wl_stack_a(unsigned long path, int depth)
+{
+    stack_step(path, depth);
+    stack_sink += 1;
+}
+
+__attribute__((noinline)) void offtop_wl_stack_b(unsigned long path, int depth)
+{
+    stack_step(path, depth);
+    stack_sink += 2;
+}
+
+static void *stacks_thread(void *arg)
+{
+    long n = (long)arg;
+    int depth = 1;
+    while ((1L << depth) < n)
+        depth++;
+    announce();
+    for (unsigned long i = 0;; i = (i + 1) % (unsigned long)n)
+        offtop_wl_stack_a(i, depth);
+    return NULL;
+}
+
+/* --- churn R: short-lived processes ------------------------------------ */
+
+__attribute__((noinline)) void offtop_wl_child_sleep(void)
+{
+    struct timespec ts = { 0, 1000000 };
+    long ret;
+    INLINE_SYSCALL3(ret, SYS_nanosleep, &ts, 0, 0);
+    (void)ret;
+}
+
+static int churn(long rate)
+{
+    /* SA_NOCLDWAIT-like: the kernel reaps children, no zombies pile up. */
+    signal(SIGCHLD, SIG_IGN);
+    announce();
+    long per_tick = rate / 100 > 0 ? rate / 100 : 1;   /* 10 ms ticks */
+    double next = now_s();
+    for (;;) {
+        for (long i = 0; i < per_tick; i++) {
+            pid_t pid = fork();
+            if (pid == 0) {
+                offtop_wl_child_sleep();
+                _exit(0);
+            }
+        }
+        next += 0.01;
+        double wait = next - now_s();
+        if (wait > 0)
+            offtop_wl_sleep((long)(wait * 1e9));
+        else if (wait < -1.0)
+            next = now_s();   /* cannot keep up: do not burst to catch up */
+    }
+    return 0;
+}
+
+/* --- pingrate R: paced context switches -------------------------------- */
+
+static int rate_ab[2], rate_ba[2];
+
+static void *rate_echo(void *arg)
+{
+    (void)arg;
+    char c;
+    for (;;) {
+        if (offtop_wl_pipe_read(rate_ab[0], &c) != 1)
+            break;
+        if (write(rate_ba[1], &c, 1) != 1)
+            break;
+    }
+    return NULL;
+}
+
+static int pingrate(long rate)
+{
+    pthread_t t;
+    char c = 'x';
+    if (pipe(rate_ab) || pipe(rate_ba))
+        return 1;
+    pthread_create(&t, NULL, rate_echo, NULL);
+    announce();
+    /* Each round trip blocks both threads once: two switches per trip. */
+    long per_tick = rate / 2 / 100 > 0 ? rate / 2 / 100 : 1;
+    double next = now_s();
+    for (;;) {
+        for (long i = 0; i < per_tick; i++) {
+            if (write(rate_ab[1], &c, 1) != 1 || offtop_wl_pipe_read(rate_ba[0], &c) != 1)
+                return 1;
+        }
+        next += 0.01;
+        double wait = next - now_s();
+        if (wait > 0)
+            offtop_wl_sleep((long)(wait * 1e9));
+        else if (wait < -1.0)
+            next = now_s();
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s sleep|vfork|pipe|futex|spin|pingpong [MS|N]\n", argv[0]);
+        fprintf(stderr, "usage: %s sleep|vfork|pipe|futex|spin|pingpong|stacks|churn|pingrate [MS|N|R]\n", argv[0]);
         return 2;
     }
     const char *mode = argv[1];
@@ -218,6 +354,14 @@ int main(int argc, char **argv)
         pthread_join(t, NULL);
     } else if (!strcmp(mode, "pingpong")) {
         return pingpong(argc > 2 ? atol(argv[2]) : 100000);
+    } else if (!strcmp(mode, "stacks")) {
+        long n = argc > 2 ? atol(argv[2]) : 1024;
+        pthread_create(&t, NULL, stacks_thread, (void *)(n > 1 ? n : 2));
+        pthread_join(t, NULL);
+    } else if (!strcmp(mode, "churn")) {
+        return churn(argc > 2 ? atol(argv[2]) : 1000);
+    } else if (!strcmp(mode, "pingrate")) {
+        return pingrate(argc > 2 ? atol(argv[2]) : 50000);
     } else {
         fprintf(stderr, "unknown mode %s\n", mode);
         return 2;
