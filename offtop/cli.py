@@ -183,16 +183,35 @@ def config_from_args(args: argparse.Namespace) -> tuple[object, float, int | Non
     return cfg, interval, count
 
 
+def write_all(out: TextIO, text: str) -> None:
+    """Write `text` to `out`'s file descriptor, completely.
+
+    Not `out.write`: CPython's buffered writer drops data when a signal
+    handler runs while it is blocked on a full pipe (seen with a 300 KB JSON
+    line and Ctrl-C), and batch mode must end with whole lines.
+    """
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (tests)
+        out.write(text)
+        out.flush()
+        return
+    out.flush()
+    data = memoryview(text.encode("utf-8", errors="replace"))
+    while data:
+        n = os.write(fd, data)  # retried on EINTR (PEP 475); may be partial
+        data = data[n:]
+
+
 def _emit(snap: Snapshot, fmt: str, out: TextIO) -> None:
     if fmt == "json":
-        out.write(json.dumps(snapshot_to_json(snap), separators=(",", ":")) + "\n")
+        write_all(out, json.dumps(snapshot_to_json(snap), separators=(",", ":")) + "\n")
     elif fmt == "folded":
         lines = folded_lines(snap)
         if lines:
-            out.write("\n".join(lines) + "\n")
+            write_all(out, "\n".join(lines) + "\n")
     else:
-        out.write(text_report(snap) + "\n\n")
-    out.flush()
+        write_all(out, text_report(snap) + "\n\n")
 
 
 def run_batch(source: SnapshotSource, fmt: str, interval_s: float, count: int | None,

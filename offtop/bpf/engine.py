@@ -8,6 +8,7 @@ single map write.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes as ct
 import os
 import time
@@ -23,8 +24,6 @@ from offtop.bpf.decode import (
     COUNTERS,
     DEFAULT_STATES,
     EVENT_STRUCT,
-    AggKey,
-    AggValue,
     StartRecord,
     decode_comm,
     state_mask,
@@ -119,6 +118,7 @@ class BpfSource:
         self._clock = clock
         self._threshold_ns = config.threshold_ns
         self._bpf: Any = None
+        self._tables: dict[str, Any] = {}
         self._ring: PerfRing | None = None
         self._ksyms: KernelSymbols | None = None
         self._usyms: UserSymbols | None = None
@@ -218,11 +218,11 @@ class BpfSource:
             raise ValueError(f"invalid threshold {ns!r}")
         self._threshold_ns = ns
         if self._bpf is not None:
-            self._bpf["offcpu_thresh_ns"][ct.c_int(0)] = ct.c_uint64(ns)
+            self._table("offcpu_thresh_ns")[ct.c_int(0)] = ct.c_uint64(ns)
 
     def kernel_threshold_ns(self) -> int:
         """The threshold as the kernel map holds it now (for tests)."""
-        return int(self._bpf["offcpu_thresh_ns"][ct.c_int(0)].value)
+        return int(self._table("offcpu_thresh_ns")[ct.c_int(0)].value)
 
     def close(self) -> None:
         """Detach the probe, close the ring and free caches; safe twice."""
@@ -243,24 +243,31 @@ class BpfSource:
 
     # --- set-up -------------------------------------------------------------
 
+    def _table(self, name: str) -> Any:
+        """A bcc table by name, looked up once."""
+        t = self._tables.get(name)
+        if t is None:
+            t = self._tables[name] = self._bpf.get_table(name.encode())
+        return t
+
     def _setup_maps(self) -> None:
         b = self._bpf
-        b["offcpu_thresh_ns"][ct.c_int(0)] = ct.c_uint64(self._threshold_ns)
+        self._table("offcpu_thresh_ns")[ct.c_int(0)] = ct.c_uint64(self._threshold_ns)
         if self.config.pids or self.config.tids:
             one = ct.c_uint8(1)
             for pid in self.config.pids:
-                b["pid_filter"][ct.c_uint32(pid)] = one
+                self._table("pid_filter")[ct.c_uint32(pid)] = one
             for tid in self.config.tids:
-                b["tid_filter"][ct.c_uint32(tid)] = one
+                self._table("tid_filter")[ct.c_uint32(tid)] = one
         if self.config.cgroup is not None:
             try:
-                b["cgroup_filter"][0] = self.config.cgroup
+                self._table("cgroup_filter")[0] = self.config.cgroup
             except Exception as e:
                 raise EngineError(f"cannot use cgroup {self.config.cgroup}: {e}") from None
         self._prog_fd = b.funcs[PROBE_FUNCTION].fd if PROBE_FUNCTION in b.funcs else -1
 
     def _set_perf_fd(self, cpu: int, fd: int) -> None:
-        table = self._bpf["offcpu_events"]
+        table = self._table("offcpu_events")
         # Bypass bcc's PerfEventArray bookkeeping: the ring is ours (perf_ring.py).
         key, leaf = ct.c_int(cpu), ct.c_int(fd)
         from bcc.libbcc import lib
@@ -308,7 +315,7 @@ class BpfSource:
             if len(rec) < size:
                 continue
             ev = unpack(rec)
-            end_ns, delta, cg, tgid, tid, us, ks, st, _cpu, comm = ev
+            _end_ns, delta, _cg, tgid, tid, us, ks, st, _cpu, comm = ev
             key = (tgid, tid, st, us, ks)
             a = acc.get(key)
             if a is None:
@@ -353,14 +360,13 @@ class BpfSource:
 
     def _flip_and_drain(self) -> None:
         """Switch the program to the other aggregate map, then drain the idle one."""
-        b = self._bpf
         old = self._gen
         self._gen ^= 1
-        b["offtop_config"][ct.c_int(0)] = ct.c_uint64(self._gen)
+        self._table("offtop_config")[ct.c_int(0)] = ct.c_uint64(self._gen)
         # sched_switch runs its programs with interrupts off: one that read the
         # old generation finishes within microseconds of the flip.
         time.sleep(0.0005)
-        table = b[f"offcpu_agg{old}"]
+        table = self._table(f"offcpu_agg{old}")
         for k, v in table.items_lookup_and_delete_batch():
             self._interval.samples.append(
                 self._sample(k.tgid, k.tid, k.state, k.ustack, k.kstack,
@@ -385,7 +391,7 @@ class BpfSource:
     # --- stacks -------------------------------------------------------------
 
     def _stack_addrs(self, kind: str, sid: int) -> tuple[int, ...] | None:
-        table = self._bpf["kernel_stacks" if kind == "k" else "user_stacks"]
+        table = self._table("kernel_stacks" if kind == "k" else "user_stacks")
         try:
             leaf = table[table.Key(sid)]
         except KeyError:
@@ -439,21 +445,18 @@ class BpfSource:
         cap = self.config.stack_entries
         if len(self._stack_last_use) < cap // 2 and self._seq % 30:
             return
-        b = self._bpf
         if self._seq % 30 == 0:
             for kind, name in (("k", "kernel_stacks"), ("u", "user_stacks")):
-                for key in b[name].keys():
+                for key in self._table(name):
                     self._stack_last_use.setdefault((kind, key.value), self._seq)
         if len(self._stack_last_use) < cap // 2:
             return
         horizon = self._seq - 2
         victims = [k for k, seen in self._stack_last_use.items() if seen < horizon and k not in live]
         for kind, sid in victims:
-            table = b["kernel_stacks" if kind == "k" else "user_stacks"]
-            try:
+            table = self._table("kernel_stacks" if kind == "k" else "user_stacks")
+            with contextlib.suppress(KeyError):
                 del table[table.Key(sid)]
-            except KeyError:
-                pass
             del self._stack_last_use[(kind, sid)]
         if victims:
             gone = set(victims)
@@ -466,11 +469,10 @@ class BpfSource:
 
     def _blocked_now(self) -> tuple[list[BlockedNow], set[tuple[str, int]]]:
         """Tasks asleep right now, from the start map; and the stack ids they hold."""
-        b = self._bpf
         now_ns = time.monotonic_ns()
         rows: list[tuple[int, int, StartRecord]] = []
         live: set[tuple[str, int]] = set()
-        table = b["offcpu_start"]
+        table = self._table("offcpu_start")
         stale: list[int] = []
         for k, v in table.items_lookup_batch():
             tid = k if isinstance(k, int) else k.value
@@ -484,10 +486,8 @@ class BpfSource:
             if waited > 10_000_000_000 and not os.path.exists(f"/proc/{v.tgid}/task/{tid}"):
                 stale.append(tid)  # exited while asleep: never switched in again
         for tid in stale:
-            try:
+            with contextlib.suppress(KeyError):
                 del table[table.Key(tid)]
-            except KeyError:
-                pass
         rows.sort(key=lambda r: -r[0])
         out = []
         for waited, tid, v in rows[: self.config.blocked_max]:
@@ -507,7 +507,7 @@ class BpfSource:
         return out, live
 
     def _counters(self) -> dict[str, int]:
-        table = self._bpf["offtop_counters"]
+        table = self._table("offtop_counters")
         out = {}
         for i, name in enumerate(COUNTERS):
             try:

@@ -164,7 +164,7 @@ static __always_inline void on_switch_out(void *args, long prev_state, u64 now)
         return;
 #endif
 #if OFFTOP_FILTER_CGROUP
-    if (bpf_current_task_under_cgroup(&cgroup_filter, 0) != 1)
+    if (cgroup_filter.check_current_task(0) != 1)
         return;
 #endif
 
