@@ -149,7 +149,7 @@ def snapshot_to_json(snap: Snapshot) -> dict[str, Any]:
 def _frames(names: Iterable[str], kernel: bool, modules: Sequence[str] = ()) -> tuple[Frame, ...]:
     mods = list(modules)
     return tuple(
-        Frame(name=n, module=mods[i] if i < len(mods) else "", kernel=kernel)
+        Frame(name=n, module=mods[i] if i < len(mods) else ("kernel" if kernel else ""), kernel=kernel)
         for i, n in enumerate(names)
     )
 

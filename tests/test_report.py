@@ -1,0 +1,51 @@
+"""Unit tests of the headless formats: JSON round trip, folded, text."""
+
+from __future__ import annotations
+
+import json
+
+from offtop.model import Aggregator, BlockedNow, CaptureStats, Frame, LongBlock, Sample
+from offtop.report import folded_lines, snapshot_from_json, snapshot_to_json, text_report
+
+K = (Frame("schedule", "kernel", True), Frame("do_nanosleep", "kernel", True))
+U = (Frame("inner fn;x", "libx.so"), Frame("main", "app"))
+
+
+def snapshot():  # type: ignore[no-untyped-def]
+    return Aggregator().build(
+        [Sample(10, 11, "app[1]", "S", 2_500_000, 3, 1_000_000, K, U),
+         Sample(10, 12, "app", "D", 1_000, 1, 1_000, K, ())],
+        time=1_700_000_000.5, interval_s=1.0, threshold_ns=500_000_000,
+        long_blocks=[LongBlock(1_700_000_000.2, 10, 11, "app[1]", "S", 600_000_000, K, U, 7)],
+        blocked_now=[BlockedNow(10, 12, "app", "D", 9_000_000, K, ())],
+        stats=CaptureStats(events=1, lost=2, stack_errors={"user EFAULT": 3}, interval_s=1.0),
+    )
+
+
+def test_json_has_the_contract_fields_and_round_trips() -> None:
+    snap = snapshot()
+    d = json.loads(json.dumps(snapshot_to_json(snap)))
+    assert {"time", "interval_s", "threshold_ns", "stats", "tasks", "stacks"} <= d.keys()
+    assert d["stats"]["events"] == 1 and d["stats"]["lost"] == 2 and d["stats"]["stack_errors"] == 3
+    t = d["tasks"][0]
+    assert {"pid", "tid", "comm", "offcpu_ns", "count", "max_ns", "state_ns"} <= t.keys()
+    assert t["state_ns"] == {"S": 2_500_000, "D": 0}
+    assert [x["offcpu_ns"] for x in d["tasks"]] == sorted((x["offcpu_ns"] for x in d["tasks"]), reverse=True)
+    st = d["stacks"][0]
+    assert st["kernel"] == ["schedule", "do_nanosleep"] and st["user"] == ["inner fn;x", "main"]
+    back = snapshot_from_json(d)
+    assert back.tasks == snap.tasks and back.stacks == snap.stacks
+    assert back.long_blocks[0].duration_ns == 600_000_000
+    assert back.blocked_now == snap.blocked_now
+
+
+def test_folded_is_outermost_first_user_then_kernel_in_microseconds() -> None:
+    lines = folded_lines(snapshot())
+    assert lines[0] == "app[1];main;inner_fn:x;do_nanosleep;schedule 2500"
+    assert len(lines) == 2 and lines[1].endswith(" 1")
+
+
+def test_text_report_lists_tasks_stacks_and_blocks() -> None:
+    text = text_report(snapshot())
+    assert "app[1]" in text and "2.50ms" in text
+    assert "long blocks" in text and "blocked now" in text
