@@ -154,6 +154,7 @@ class CaptureStats:
     events_total: int = 0
     lost_total: int = 0
     stack_errors: Mapping[str, int] = field(default_factory=dict)
+    drops: Mapping[str, int] = field(default_factory=dict)
     truncated_stacks: int = 0
     symbol_misses: int = 0
     agg_entries: int = 0
@@ -269,11 +270,13 @@ class Aggregator:
     is forgotten so that long runs with thread churn stay bounded.
     """
 
-    def __init__(self, *, forget_after: int = 300, max_stacks: int = 20_000) -> None:
+    def __init__(self, *, forget_after: int = 300, max_stacks: int = 20_000,
+                 max_threads: int = 50_000) -> None:
         self._totals: dict[int, _Total] = {}
         self._seq = 0
         self._forget_after = forget_after
         self._max_stacks = max_stacks
+        self._max_threads = max_threads
 
     @property
     def tracked_threads(self) -> int:
@@ -371,8 +374,15 @@ class Aggregator:
         )
 
     def _forget(self, seq: int) -> None:
+        if len(self._totals) > self._max_threads:
+            # Process churn: thousands of new threads a second would each be
+            # kept for `forget_after` intervals. Keep the most recently seen,
+            # and every thread of this interval (its row reads its total).
+            old = sorted((t.last_seq, tid) for tid, t in self._totals.items() if t.last_seq < seq)
+            for _, tid in old[: len(self._totals) - self._max_threads * 3 // 4]:
+                del self._totals[tid]
         horizon = seq - self._forget_after
-        if horizon <= 0 or len(self._totals) < 1024 and seq % 64:
+        if horizon <= 0 or (len(self._totals) < 1024 and seq % 64):
             return
         stale = [tid for tid, t in self._totals.items() if t.last_seq < horizon]
         for tid in stale:

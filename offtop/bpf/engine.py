@@ -32,7 +32,7 @@ from offtop.bpf.decode import (
 from offtop.bpf.perf_ring import PerfRing
 from offtop.model import Aggregator, BlockedNow, CaptureStats, Frame, LongBlock, Sample, Snapshot
 from offtop.source import SourceInfo, local_info
-from offtop.symbols import KernelSymbols, UserSymbols
+from offtop.symbols import KernelSymbols, UserSymbols, process_start_time
 
 PROBE_FUNCTION = b"tracepoint__sched__sched_switch"
 _BPF_ENABLE_STATS = 32
@@ -71,6 +71,7 @@ class EngineConfig:
     blocked_min_ns: int = 5_000_000
     blocked_max: int = 200
     long_blocks_max: int = 1_000
+    exclude_self: bool = True
     scope: str = field(default="", compare=False)
 
     def cflags(self) -> list[str]:
@@ -83,6 +84,7 @@ class EngineConfig:
             "OFFTOP_FILTER_PID": int(bool(self.pids or self.tids)),
             "OFFTOP_FILTER_TID": int(bool(self.pids or self.tids)),
             "OFFTOP_FILTER_CGROUP": int(self.cgroup is not None),
+            "OFFTOP_SELF_TGID": os.getpid() if self.exclude_self else 0,
             "OFFTOP_STACK_ENTRIES": self.stack_entries,
             "OFFTOP_START_ENTRIES": self.start_entries,
             "OFFTOP_AGG_ENTRIES": self.agg_entries,
@@ -136,7 +138,8 @@ class BpfSource:
         self._lost_seen = 0
         self._events_total = 0
         self._stack_last_use: dict[tuple[str, int], int] = {}
-        self._stack_frames: dict[tuple[str, int, int], tuple[Frame, ...]] = {}
+        self._stack_frames: dict[tuple[str, int, int, int], tuple[Frame, ...]] = {}
+        self._starts: dict[int, int] = {}  # pid -> start time, valid for one sub-tick
         self._stacks_reclaimed = 0
         self._truncated = 0
         self._seq = 0
@@ -332,6 +335,7 @@ class BpfSource:
 
     def _subtick(self) -> None:
         """Resolve what arrived since the last sub-tick, while processes live."""
+        self._starts.clear()
         self._read_ring()
         self._flip_and_drain()
         if self._event_acc:
@@ -407,7 +411,7 @@ class BpfSource:
         if sid < 0 or self._ksyms is None:
             return ()
         self._stack_last_use[("k", sid)] = self._agg_seq()
-        key = ("k", sid, 0)
+        key = ("k", sid, 0, 0)
         frames = self._stack_frames.get(key)
         if frames is None:
             addrs = self._stack_addrs("k", sid)
@@ -419,7 +423,12 @@ class BpfSource:
         if sid < 0 or self._usyms is None:
             return ()
         self._stack_last_use[("u", sid)] = self._agg_seq()
-        key = ("u", sid, pid)
+        # The process start time is part of the key: a pid reused by another
+        # process must not find the old process's frames.
+        start = self._starts.get(pid)
+        if start is None:
+            start = self._starts[pid] = process_start_time(pid) or 0
+        key = ("u", sid, pid, start)
         frames = self._stack_frames.get(key)
         if frames is None:
             addrs = self._stack_addrs("u", sid)
@@ -530,9 +539,12 @@ class BpfSource:
             )
             if c[name]
         }
-        for name in ("start_full", "agg_full", "output_fail"):
-            if c[name]:
-                stack_errors[name.replace("_", " ")] = c[name]
+        drops = {
+            label: c[name]
+            for label, name in (("start map full", "start_full"), ("aggregate map full", "agg_full"),
+                                ("perf output failed", "output_fail"))
+            if c[name]
+        }
         run_ns, runs = self._read_prog_stats()
         prev_ns, prev_runs = self._prev_run
         self._prev_run = (run_ns, runs)
@@ -548,6 +560,7 @@ class BpfSource:
             events_total=self._events_total,
             lost_total=lost_total,
             stack_errors=stack_errors,
+            drops=drops,
             truncated_stacks=self._truncated,
             symbol_misses=self._usyms.misses if self._usyms else 0,
             agg_entries=len(iv.samples),

@@ -18,6 +18,7 @@
 //   OFFTOP_FILTER_PID     1: only tgids in pid_filter (or tids in tid_filter)
 //   OFFTOP_FILTER_TID     1: only tids in tid_filter (or tgids in pid_filter)
 //   OFFTOP_FILTER_CGROUP  1: only tasks under cgroup_filter[0]
+//   OFFTOP_SELF_TGID      offtop's own pid, never recorded (0: record it)
 //   OFFTOP_STACK_ENTRIES, OFFTOP_START_ENTRIES, OFFTOP_AGG_ENTRIES: map sizes
 //   OFFTOP_KSTACK_DEPTH, OFFTOP_USTACK_DEPTH: frames kept per stack
 
@@ -158,6 +159,10 @@ static __always_inline void on_switch_out(void *args, long prev_state, u64 now)
     u32 tid = (u32)id, tgid = id >> 32;
     if (tid == 0)
         return;
+#if OFFTOP_SELF_TGID
+    if (tgid == OFFTOP_SELF_TGID)
+        return;
+#endif
 
 #if OFFTOP_FILTER_PID || OFFTOP_FILTER_TID
     if (!pid_filter.lookup(&tgid) && !tid_filter.lookup(&tid))
