@@ -5,7 +5,7 @@ SHELL := /bin/bash
 PY := /usr/bin/python3
 VENV := .venv
 ARCH := $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
-SYSTEM_PKGS := python3-bpfcc python3-venv linux-headers-$(ARCH) gcc libc6-dev tmux
+SYSTEM_PKGS := python3-bpfcc python3-venv linux-headers-$(ARCH) gcc libc6-dev tmux bpftool
 ARGS ?=
 
 .PHONY: run test setup system lint bench
@@ -24,7 +24,8 @@ bench: setup
 setup: system $(VENV)/.stamp-install
 
 # Debian packages: bcc's Python bindings, a generic kernel header tree for bcc to compile
-# against, a compiler for the test workloads, tmux for the terminal end-to-end test.
+# against, a compiler for the test workloads, tmux for the terminal end-to-end test,
+# bpftool to check that no probe outlives offtop.
 system:
 	@missing=""; for p in $(SYSTEM_PKGS); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \

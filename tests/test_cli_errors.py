@@ -287,6 +287,23 @@ def test_relative_cgroup_prefers_the_v2_tree(v2_root: Path, make_cgroup, tmp_pat
         resolve_cgroup(str(tmp_path / cg.name))
 
 
+@pytest.mark.bpf
+def test_relative_cgroup_path_works(bpf_available: None, v2_root: Path, make_cgroup,
+                                    workloads) -> None:
+    cg = make_cgroup(v2_root)
+    inside = workloads("sleep", "50")
+    outside = workloads("sleep", "50")
+    _move(inside.pid, cg)
+    try:
+        snaps = offtop_json("-c", cg.name, count=2, interval="1")
+    finally:
+        inside.stop()
+    last = snaps[-1]
+    assert task_of(last, inside.tid) is not None, last["tasks"]
+    assert task_of(last, outside.tid) is None
+    assert {t["pid"] for t in last["tasks"]} <= {inside.pid}
+
+
 # --- the machine -------------------------------------------------------------
 
 

@@ -1,0 +1,533 @@
+"""Faults offtop must survive: floods, full maps, churn, pid reuse, vanished binaries, signals.
+
+Every test here runs the real BPF program against known workloads. The
+long-running version of these (a 30-minute soak) is `bench/soak.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from offtop.model import Aggregator, Sample, Snapshot
+from offtop.symbols import UserSymbols
+from tests.conftest import ROOT, offtop_json, task_of, wait_until
+
+MS = 1_000_000
+
+bpf = [pytest.mark.bpf, pytest.mark.usefixtures("bpf_available")]
+
+
+# --- helpers ---------------------------------------------------------------------
+
+
+@dataclass
+class LiveOfftop:
+    """`offtop --batch --format json` running in the background, lines timestamped."""
+
+    proc: subprocess.Popen[str]
+    lines: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    reader: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, *args: str) -> LiveOfftop:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "offtop.cli", "--batch", "--format", "json", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        )
+        live = cls(proc)
+        live.reader = threading.Thread(target=live._read, daemon=True)
+        live.reader.start()
+        return live
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.strip():
+                self.lines.append((time.monotonic(), json.loads(line)))
+
+    def wait_lines(self, n: int, timeout: float = 30) -> None:
+        ok = wait_until(lambda: len(self.lines) >= n or self.proc.poll() is not None, timeout)
+        assert ok and len(self.lines) >= n, (
+            f"offtop gave {len(self.lines)} lines; rc={self.proc.poll()} "
+            f"stderr={self.stderr()[:500]!r}")
+
+    def prog_ids(self) -> set[int]:
+        """The BPF programs this process holds (from its fds)."""
+        ids = set()
+        fd_dir = Path(f"/proc/{self.proc.pid}/fdinfo")
+        for f in fd_dir.iterdir():
+            with contextlib.suppress(OSError):
+                for line in f.read_text().splitlines():
+                    if line.startswith("prog_id:"):
+                        ids.add(int(line.split()[1]))
+        return ids
+
+    def stop(self, sig: int) -> float:
+        """Send `sig`; return how long the process took to exit."""
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=10)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        took = time.monotonic() - t0
+        if self.reader is not None:
+            self.reader.join(timeout=5)
+        return took
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None or self.proc.stderr is None:
+            return ""
+        return self.proc.stderr.read()
+
+
+def prog_exists(prog_id: int) -> bool:
+    """Does the kernel still hold BPF program `prog_id`? (bpftool prog show id N)"""
+    bpftool = shutil.which("bpftool") or "/usr/sbin/bpftool"
+    if not Path(bpftool).exists():
+        pytest.fail("bpftool is missing: `make test` installs it (Debian package bpftool)")
+    r = subprocess.run([bpftool, "prog", "show", "id", str(prog_id)], capture_output=True,
+                       text=True)
+    return r.returncode == 0
+
+
+def assert_detached(prog_ids: set[int]) -> None:
+    assert prog_ids, "offtop held no BPF program while running"
+    gone = wait_until(lambda: not any(prog_exists(i) for i in prog_ids), timeout=5)
+    assert gone, f"BPF programs {sorted(i for i in prog_ids if prog_exists(i))} still loaded"
+
+
+@contextlib.contextmanager
+def engine(**cfg: Any) -> Iterator[Any]:
+    """A started in-process `BpfSource`, closed at the end."""
+    from offtop.bpf.engine import BpfSource, EngineConfig
+
+    src = BpfSource(EngineConfig(**cfg))
+    src.start()
+    try:
+        yield src
+    finally:
+        src.close()
+
+
+def snapshots(src: Any, n: int, interval: float = 0.5) -> list[Snapshot]:
+    stop = threading.Event()
+    out = []
+    for _ in range(n):
+        s = src.next_snapshot(interval, stop)
+        assert s is not None
+        out.append(s)
+    return out
+
+
+def rows_of(snaps: list[Snapshot], pid: int) -> list[Any]:
+    return [st for s in snaps for st in s.stacks if st.pid == pid]
+
+
+# --- event flood and signals --------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
+                         ids=["SIGTERM", "SIGINT", "SIGHUP"])
+@pytest.mark.bpf
+def test_flood_keeps_refreshing_counts_and_exits_fast(bpf_available: None, workloads: Any,
+                                                      sig: int) -> None:
+    """Threshold 0 under ~100k+ switches/s: every block is a perf event.
+
+    bcc's perf_buffer_poll() can spin for 10 s under such a flood; offtop's
+    own bounded reader must keep the batch output on time and obey signals.
+    """
+    for _ in range(2):
+        workloads("pingrate", "100000000")  # unpaced: as fast as two threads can bounce
+    interval = 0.5
+    live = LiveOfftop.start("--threshold", "0", "--interval", str(interval))
+    try:
+        live.wait_lines(1)
+        first = len(live.lines)
+        live.wait_lines(first + 8, timeout=15)
+        progs = live.prog_ids()
+    except BaseException:
+        live.stop(signal.SIGKILL)
+        raise
+    took = live.stop(sig)
+    assert took < 1.0, f"offtop took {took:.2f}s to exit on {signal.Signals(sig).name}"
+    assert live.proc.returncode == 0, live.stderr()
+    assert "Traceback" not in live.stderr()
+    assert_detached(progs)
+
+    times = [t for t, _ in live.lines]
+    gaps = [b - a for a, b in zip(times[first - 1:], times[first:], strict=False)]
+    assert max(gaps) <= 2 * interval, f"output stalled: gaps {[round(g, 2) for g in gaps]}"
+    snaps = [s for _, s in live.lines]
+    stats = [s["stats"] for s in snaps]
+    # A real flood, delivered as events.
+    steady = stats[1:-1]
+    assert min(s["switches_per_s"] for s in steady) > 20_000, steady
+    assert sum(s["events"] for s in steady) / len(steady) > 5_000
+    # Nothing lost goes uncounted: per-interval figures add up to the totals.
+    assert sum(s["events"] for s in stats) == stats[-1]["events_total"]
+    assert sum(s["lost"] for s in stats) == stats[-1]["lost_total"]
+    lost_totals = [s["lost_total"] for s in stats]
+    assert lost_totals == sorted(lost_totals)
+
+
+@pytest.mark.bpf
+def test_lost_events_are_counted(bpf_available: None, workloads: Any) -> None:
+    """A one-page ring left unread overflows; the loss shows in the stats."""
+    workloads("pingrate", "100000")
+    with engine(threshold_ns=0, perf_pages=1, wakeup_events=1) as src:
+        first = snapshots(src, 1, 0.3)
+        time.sleep(1.0)  # nobody reads the ring: it fills and the kernel drops
+        later = snapshots(src, 2, 0.3)
+    st = [s.stats for s in first + later]
+    assert sum(s.lost for s in st) > 0, st
+    assert st[-1].lost_total == sum(s.lost for s in st)
+    # The program also counts its failed perf_submit calls.
+    assert later[-1].stats.drops.get("perf output failed", 0) > 0, later[-1].stats.drops
+
+
+# --- stack map saturation ---------------------------------------------------------
+
+
+@pytest.mark.bpf
+def test_stack_map_saturation_is_counted_and_recovers(bpf_available: None, workloads: Any,
+                                                      workload_bin: Path) -> None:
+    """A 64-slot stack map against 4096 distinct stacks; then only one stack."""
+    pressure = workloads("stacks", "4096")
+    # The process that will need a fresh stack id once the pressure is gone:
+    # a shell (its pid passes the filter from the start) that execs a sleeper later.
+    later = subprocess.Popen(["/bin/sh", "-c", f"read go; exec {workload_bin} sleep 20"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        with engine(stack_entries=64, threshold_ns=10**9, kernel_stacks=False,
+                    pids=(pressure.pid, later.pid)) as src:
+            hot = snapshots(src, 4)
+            errs = hot[-1].stats.stack_errors
+            failed = errs.get("user ENOMEM", 0) + errs.get("user EEXIST", 0)
+            assert failed > 100, errs
+            # Blocks without a stack id still count, with their time.
+            t = [task_of_snap(s, pressure.tid) for s in hot[1:]]
+            assert all(r is not None and r.count > 100 for r in t), t
+            assert hot[-1].stats.stacks_used <= hot[-1].stats.stacks_capacity
+
+            pressure.stop()
+            assert later.stdin is not None and later.stdout is not None
+            later.stdin.write("go\n")
+            later.stdin.flush()
+            ready = later.stdout.readline()
+            assert "ready" in ready, ready
+            sleeper_tid = int(ready.split("tid=")[1])
+
+            recovered = None
+            calm: list[Snapshot] = []
+            for _ in range(16):
+                calm += snapshots(src, 1)
+                rows = [st for st in calm[-1].stacks if st.tid == sleeper_tid]
+                if any(st.user and st.user[0].name == "offtop_wl_sleep" for st in rows):
+                    recovered = len(calm)
+                    break
+            assert recovered is not None, (
+                f"no stack for the sleeper after the pressure went: "
+                f"{calm[-1].stats.stack_errors} reclaimed={calm[-1].stats.stacks_reclaimed}")
+            assert calm[-1].stats.stacks_reclaimed > 0
+            # Once recovered, no new failures.
+            after = snapshots(src, 2)
+            e0, e1 = calm[-1].stats.stack_errors, after[-1].stats.stack_errors
+            assert e1 == e0, (e0, e1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(later.pid, signal.SIGKILL)
+        later.wait(timeout=5)
+
+
+def task_of_snap(snap: Snapshot, tid: int) -> Any:
+    return next((t for t in snap.tasks if t.tid == tid), None)
+
+
+# --- process churn ----------------------------------------------------------------
+
+
+@pytest.mark.bpf
+def test_process_churn_keeps_caches_bounded(bpf_available: None, workloads: Any) -> None:
+    """2000 short-lived processes a second, all tasks traced, small cache limits."""
+    from offtop.bpf.engine import BpfSource, EngineConfig
+    from offtop.model import Aggregator
+
+    workloads("churn", "2000")
+    src = BpfSource(EngineConfig(threshold_ns=10**9, stack_entries=1024))
+    src._agg = Aggregator(max_threads=4000)
+    src.start()
+    try:
+        import offtop.symbols as symbols
+
+        assert isinstance(src._usyms, symbols.UserSymbols)
+        src._usyms._max = 64  # as if thousands of processes were alive at once
+        start_map = src._bpf["offcpu_start"]
+        seen: list[dict[str, int]] = []
+        for s in snapshots(src, 12):
+            seen.append({
+                "tasks": len(s.tasks),
+                "tracked": src._agg.tracked_threads,
+                "usyms": src._usyms.cached_processes,
+                "frames": len(src._stack_frames),
+                "stacks": s.stats.stacks_used,
+                "start": sum(1 for _ in start_map),
+            })
+    finally:
+        src.close()
+    # The churn was real: thousands of distinct tasks went through.
+    assert sum(x["tasks"] for x in seen) > 5_000, seen
+    last = seen[-1]
+    assert max(x["tracked"] for x in seen) <= 4000 + 2 * max(x["tasks"] for x in seen), seen
+    assert last["tracked"] <= 4000, seen
+    assert max(x["usyms"] for x in seen) <= 64 + 16, seen
+    assert max(x["stacks"] for x in seen) <= 2 * 1024, seen
+    assert max(x["start"] for x in seen) < 5_000, seen
+    # Frames are cached per (stack, pid) only when fully resolved; dead
+    # children resolve to addresses, so the cache must not follow the churn.
+    assert last["frames"] < 2_000, seen
+
+
+def test_aggregator_forgets_the_oldest_threads_beyond_its_cap() -> None:
+    agg = Aggregator(max_threads=100)
+    for i in range(50):  # 50 intervals of 10 new threads each
+        samples = [Sample(pid=1000 + i * 10 + j, tid=1000 + i * 10 + j, comm="c", state="S",
+                          offcpu_ns=1, count=1, max_ns=1) for j in range(10)]
+        snap = agg.build(samples, time=0.0, interval_s=1.0, threshold_ns=0)
+        assert len(snap.tasks) == 10
+        assert all(t.total_ns == 1 for t in snap.tasks)
+        assert agg.tracked_threads <= 100
+    # The newest are kept.
+    snap = agg.build([Sample(pid=1499, tid=1499, comm="c", state="S", offcpu_ns=1, count=1,
+                             max_ns=1)], time=0.0, interval_s=1.0, threshold_ns=0)
+    assert snap.tasks[0].total_ns == 2
+    # One interval with more threads than the cap: every row still gets its total.
+    big = [Sample(pid=5000 + j, tid=5000 + j, comm="c", state="S", offcpu_ns=3, count=1,
+                  max_ns=3) for j in range(250)]
+    snap = agg.build(big, time=0.0, interval_s=1.0, threshold_ns=0)
+    assert len(snap.tasks) == 250 and all(t.total_ns == 3 for t in snap.tasks)
+
+
+# --- pid reuse --------------------------------------------------------------------
+
+
+class _FakeBcc:
+    """bcc's symcache API, resolving each address by the process image it was opened for."""
+
+    def __init__(self, images: dict[int, dict[int, str]]) -> None:
+        self.images = images  # pid -> {addr: name} of the process alive now
+        self.opened: list[int] = []
+        self.freed: list[int] = []
+        self._handles: dict[int, dict[int, str]] = {}
+
+    def bcc_symcache_new(self, pid: int, _opts: Any) -> int:
+        h = len(self.opened) + 1
+        self.opened.append(pid)
+        self._handles[h] = dict(self.images[pid])  # a snapshot, like bcc's own cache
+        return h
+
+    def bcc_symcache_resolve(self, cache: int, addr: Any, sym_ref: Any) -> int:
+        sym = sym_ref._obj
+        name = self._handles[cache].get(addr.value)
+        if name is None:
+            return -1
+        sym.name = name.encode()
+        return 0
+
+    def bcc_free_symcache(self, cache: int, pid: int) -> None:
+        self.freed.append(cache)
+
+
+def test_user_symbols_never_reuse_a_dead_process_cache() -> None:
+    now = [0.0]
+    starts = {4242: 1000}
+    lib = _FakeBcc({4242: {0x1000: "old_main", 0x2000: "old_wait"}})
+    syms = UserSymbols(lib, clock=lambda: now[0], start_time=starts.get, grace_s=5.0)
+    assert [f.name for f in syms.resolve_stack(4242, [0x1000, 0x2000])] == ["old_main", "old_wait"]
+
+    # The process exits; within the grace period its frames are still known.
+    del starts[4242]
+    now[0] = 1.0
+    assert syms.resolve_stack(4242, [0x1000])[0].name == "old_main"
+
+    # A new process gets pid 4242 (another start time, another image).
+    starts[4242] = 2000
+    lib.images[4242] = {0x1000: "new_main", 0x3000: "new_poll"}
+    frames = syms.resolve_stack(4242, [0x1000, 0x2000, 0x3000])
+    assert [f.name for f in frames] == ["new_main", "0x2000", "new_poll"]
+    assert lib.opened == [4242, 4242] and lib.freed == [1]
+    assert syms.cached_processes == 1
+
+    # Dead and past the grace period: forgotten, cache freed.
+    del starts[4242]
+    syms.resolve_stack(4242, [0x1000])
+    now[0] = 100.0
+    assert syms.evict() == 1
+    assert syms.cached_processes == 0 and lib.freed == [1, 2]
+    # A pid with no process resolves to bare addresses, never to an old name.
+    assert syms.resolve_stack(4242, [0x1000])[0].name == "0x1000"
+
+
+def test_user_symbols_stay_bounded() -> None:
+    starts: dict[int, int] = {}
+    lib = _FakeBcc({})
+    syms = UserSymbols(lib, start_time=starts.get, max_processes=8, grace_s=30.0)
+    for pid in range(100, 300):
+        starts[pid] = pid
+        lib.images[pid] = {0x10: f"f{pid}"}
+        assert syms.resolve_stack(pid, [0x10])[0].name == f"f{pid}"
+        del starts[pid]  # exits right after
+        assert syms.cached_processes <= 8 + 1
+    assert len(lib.freed) >= 200 - 9
+
+
+def _fork_with_pid(pid: int, argv: list[str], tries: int = 50) -> subprocess.Popen[str]:
+    """Start argv so that it gets `pid` (steering the kernel's next pid)."""
+    for _ in range(tries):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, start_new_session=True, text=True)
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    pytest.fail(f"could not get pid {pid} back in {tries} tries (a busy machine)")
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("reborn", ["same-binary", "other-binary"])
+def test_pid_reuse_never_shows_the_old_process(bpf_available: None, workloads: Any,
+                                               workload_bin: Path, tmp_path: Path,
+                                               reborn: str) -> None:
+    """A new process with an old pid gets its own name and symbols.
+
+    same-binary: a hard link of the workload (same inode, so bcc's own
+    staleness check sees no change; another name, so another comm) that
+    blocks elsewhere; only offtop's (pid, start time) key tells them apart.
+    other-binary: a shell, whose frames are libc's.
+    """
+    old = workloads("sleep", "20")
+    pid = old.pid
+    if reborn == "same-binary":
+        link = tmp_path / "wl-reborn"
+        os.link(workload_bin, link)
+        argv, comm, own = [str(link), "pipe", "20"], "wl-reborn", "offtop_wl_pipe_read"
+    else:
+        argv, comm, own = ["/bin/sh", "-c", "while :; do /bin/sleep 0.05; done"], "sh", None
+    with engine(threshold_ns=10**9, pids=(pid,)) as src:
+        before = snapshots(src, 2)
+        assert any(st.user and st.user[0].name == "offtop_wl_sleep"
+                   for st in rows_of(before, pid)), "the first process was not symbolized"
+        old.stop()
+        snapshots(src, 1)  # its last blocks drain here
+        new = _fork_with_pid(pid, argv)
+        try:
+            if own:
+                assert new.stdout is not None and "ready" in new.stdout.readline()
+            after = snapshots(src, 3)
+        finally:
+            new.kill()
+            new.wait()
+    rows = rows_of(after[1:], pid)
+    blocked = [b for s in after for b in s.blocked_now if b.pid == pid]
+    assert rows, "the new process was not seen"
+    old_names = ("offtop_wl_sleep", "sleep_thread")
+    for st in rows:
+        assert st.comm == comm, st
+        names = [f.name for f in st.user]
+        assert not any(n in old_names for n in names), names
+    for b in blocked:
+        assert b.comm == comm
+        assert not any(f.name in old_names for f in b.user)
+    if own:
+        assert any(st.user and st.user[0].name == own for st in rows), \
+            [[f.name for f in st.user] for st in rows]
+    else:  # its own symbols resolve: libc's, where sh waits for its child
+        assert any(not f.unknown and f.module.startswith("libc") for st in rows for f in st.user)
+
+
+# --- binaries deleted or replaced ------------------------------------------------------
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_binary_deleted_or_replaced_degrades_to_module_and_address(
+        bpf_available: None, workload_bin: Path, tmp_path: Path, how: str) -> None:
+    exe = tmp_path / "victim"
+    shutil.copy(workload_bin, exe)
+    from tests.conftest import start_workload
+
+    w = start_workload(exe, "sleep", "20")
+    try:
+        if how == "deleted":
+            exe.unlink()
+        else:
+            # Another build, laid out differently: its symbols at the old
+            # addresses would be wrong names, so they must not be used.
+            other = tmp_path / "other"
+            subprocess.run(["gcc", "-O0", "-fno-omit-frame-pointer", "-pthread", "-o",
+                            str(other), str(ROOT / "tests/workloads/offtop_workload.c")],
+                           check=True)
+            other.rename(exe)
+        snaps = offtop_json("-p", str(w.pid), count=2, interval="0.5")
+    finally:
+        w.stop()
+    rows = [st for s in snaps for st in s["stacks"] if st["tid"] == w.tid]
+    assert rows, "the task whose binary went away was not shown"
+    assert task_of(snaps[-1], w.tid)["count"] > 5
+    for st in rows:
+        user, modules = st["user"], st["user_modules"]
+        assert user, st
+        for name, module in zip(user, modules, strict=True):
+            if module.startswith("victim"):
+                # Either still right (bcc read the old image) or degraded, never wrong.
+                ok = name in ("offtop_wl_sleep", "sleep_thread") or (
+                    name.startswith("[victim") and "+0x" in name)
+                assert ok, (name, module, user)
+        assert any(m.startswith("victim") for m in modules), modules
+
+
+# --- two instances ---------------------------------------------------------------------
+
+
+@pytest.mark.bpf
+def test_two_instances_work_independently(bpf_available: None, workloads: Any) -> None:
+    w = workloads("sleep", "20")
+    results: dict[str, list[dict[str, Any]]] = {}
+
+    def run(name: str, threshold: str) -> None:
+        results[name] = offtop_json("-p", str(w.pid), "--threshold", threshold, count=3)
+
+    threads = [threading.Thread(target=run, args=("events", "0")),
+               threading.Thread(target=run, args=("sums", "1s"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert set(results) == {"events", "sums"}
+    for name, snaps in results.items():
+        for s in snaps[1:]:
+            t = task_of(s, w.tid)
+            assert t is not None, name
+            frac = t["offcpu_ns"] / (s["interval_s"] * 1e9)
+            assert 0.85 <= frac <= 1.05, (name, frac)
+            if name == "events":
+                assert s["threshold_ns"] == 0 and t["events"] == t["count"] >= 20
+            else:
+                assert s["threshold_ns"] == 10**9 and t["events"] == 0 and t["count"] >= 20
