@@ -1,0 +1,240 @@
+"""Deterministic synthetic snapshots, for UI tests, demos and the UI benchmark.
+
+The data looks like a busy server: a database, a web server, a JVM, a few
+daemons and one process whose name contains markup-like brackets (process
+names are untrusted and must be shown literally). Everything is derived from
+a seeded `random.Random`, and times are fixed, so the same arguments always
+give the same snapshots: snapshot tests depend on it.
+
+Stacks follow the model's conventions: `kernel[0]` and `user[0]` are the
+innermost frames (where the task stopped), the last entries the outermost.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from offtop.model import (
+    Aggregator,
+    BlockedNow,
+    CaptureStats,
+    Frame,
+    LongBlock,
+    Sample,
+    Snapshot,
+)
+
+#: Kernel callchains (innermost first) and the state a task waits in there.
+_KERNEL_CHAINS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("S", ("schedule", "do_nanosleep", "hrtimer_nanosleep", "__x64_sys_clock_nanosleep",
+           "do_syscall_64", "entry_SYSCALL_64_after_hwframe")),
+    ("S", ("schedule", "futex_wait_queue", "futex_wait", "do_futex", "__x64_sys_futex",
+           "do_syscall_64", "entry_SYSCALL_64_after_hwframe")),
+    ("S", ("schedule", "pipe_read", "vfs_read", "ksys_read", "do_syscall_64",
+           "entry_SYSCALL_64_after_hwframe")),
+    ("S", ("schedule", "schedule_hrtimeout_range_clock", "ep_poll", "do_epoll_wait",
+           "__x64_sys_epoll_wait", "do_syscall_64", "entry_SYSCALL_64_after_hwframe")),
+    ("D", ("schedule", "io_schedule", "folio_wait_bit_common", "filemap_read",
+           "ext4_file_read_iter", "vfs_read", "__x64_sys_pread64", "do_syscall_64",
+           "entry_SYSCALL_64_after_hwframe")),
+    ("D", ("schedule", "io_schedule", "bit_wait_io", "__wait_on_bit", "jbd2_log_wait_commit",
+           "ext4_sync_file", "__x64_sys_fsync", "do_syscall_64",
+           "entry_SYSCALL_64_after_hwframe")),
+    ("S", ("schedule", "schedule_timeout", "wait_woken", "sk_wait_data", "tcp_recvmsg",
+           "sock_recvmsg", "__sys_recvfrom", "do_syscall_64", "entry_SYSCALL_64_after_hwframe")),
+    ("D", ("schedule", "rwsem_down_read_slowpath", "down_read", "do_user_addr_fault",
+           "exc_page_fault", "asm_exc_page_fault")),
+)
+
+#: The libc entry a kernel chain above is reached from (innermost user frame).
+_LIBC_ENTRY = ("clock_nanosleep", "pthread_cond_wait", "read", "epoll_wait", "pread64",
+               "fsync", "recv", "memcpy")
+
+
+@dataclass(frozen=True, slots=True)
+class _Program:
+    comm: str
+    binary: str
+    threads: tuple[str, ...]
+    loops: tuple[str, ...]
+
+
+_PROGRAMS: tuple[_Program, ...] = (
+    _Program("postgres", "postgres", ("postgres",),
+             ("WaitEventSetWait", "WalWriterMain", "BackgroundWriterMain", "PostgresMain",
+              "XLogFlush", "mdread")),
+    _Program("nginx", "nginx", ("nginx",),
+             ("ngx_epoll_process_events", "ngx_process_events_and_timers",
+              "ngx_worker_process_cycle")),
+    _Program("java", "libjvm.so", ("java", "GC Thread#0", "C2 CompilerThre", "VM Thread",
+                                   "http-nio-8080-e", "Finalizer"),
+             ("Monitor::wait", "Parker::park", "ObjectMonitor::wait", "JavaThread::run",
+              "SafepointSynchronize::block")),
+    _Program("redis-server", "redis-server", ("redis-server", "bio_close_file", "bio_aof"),
+             ("aeProcessEvents", "aeMain", "bioProcessBackgroundJobs")),
+    _Program("python3", "python3.11", ("python3",),
+             ("time_sleep", "_PyEval_EvalFrameDefault", "PyRun_SimpleFileExFlags")),
+    _Program("sshd", "sshd", ("sshd",), ("server_loop2", "do_authenticated")),
+    _Program("evil[red]comm", "evil", ("evil[red]comm",),
+             ("worker_loop", "handle[bold]request", "main")),
+    _Program("containerd", "containerd", ("containerd", "containerd-shim"),
+             ("runtime.futex", "runtime.notesleep", "runtime.mPark", "runtime.schedule")),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stack:
+    state: str
+    kernel: tuple[Frame, ...]
+    user: tuple[Frame, ...]
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Task:
+    pid: int
+    tid: int
+    comm: str
+    stacks: tuple[_Stack, ...]
+    busy: float  # fraction of the interval this task tends to spend off-CPU
+    flaky: bool  # skips an interval now and then (no off-CPU time to report)
+
+
+def _kernel_frames(names: tuple[str, ...]) -> tuple[Frame, ...]:
+    return tuple(Frame(name=n, module="kernel", kernel=True) for n in names)
+
+
+def _build_tasks(rng: random.Random, tasks: int, stacks: int) -> list[_Task]:
+    """Threads grouped into processes, each with its own set of stacks."""
+    out: list[_Task] = []
+    pid = 1000
+    per_task = max(1, stacks // max(1, tasks))
+    extra = max(0, stacks - per_task * tasks)
+    i = 0
+    while len(out) < tasks:
+        prog = _PROGRAMS[i % len(_PROGRAMS)]
+        i += 1
+        pid += rng.randint(3, 97)
+        nthreads = min(tasks - len(out), 1 if len(prog.threads) == 1 and rng.random() < 0.6
+                       else rng.randint(2, 12))
+        for t in range(nthreads):
+            tid = pid if t == 0 else pid + t
+            comm = prog.threads[t % len(prog.threads)]
+            n = per_task + (1 if extra > 0 else 0)
+            extra -= 1 if extra > 0 else 0
+            task_stacks: list[_Stack] = []
+            for s in range(n):
+                chain = rng.randrange(len(_KERNEL_CHAINS))
+                state, knames = _KERNEL_CHAINS[chain]
+                loop = prog.loops[(s + t) % len(prog.loops)]
+                outer = ["_start", "__libc_start_main", "main"] if t == 0 else [
+                    "clone3", "start_thread"]
+                middle = [loop] if s < len(prog.loops) else [loop, f"{loop}_step{s}"]
+                user_names = [_LIBC_ENTRY[chain], *reversed(middle), *reversed(outer)]
+                user = tuple(
+                    Frame(name=u, module="libc.so.6" if k == 0 else prog.binary)
+                    for k, u in enumerate(user_names)
+                )
+                task_stacks.append(
+                    _Stack(state=state, kernel=_kernel_frames(knames), user=user,
+                           weight=rng.paretovariate(1.2))
+                )
+            out.append(
+                _Task(pid=pid, tid=tid, comm=comm, stacks=tuple(task_stacks),
+                      busy=min(0.97, 0.05 + rng.random() ** 2), flaky=rng.random() < 0.05)
+            )
+        pid += nthreads
+    return out
+
+
+def synthetic_snapshots(
+    n: int,
+    *,
+    tasks: int = 50,
+    stacks: int = 200,
+    seed: int = 0,
+    start_time: float = 1_700_000_000.0,
+    interval_s: float = 1.0,
+    threshold_ns: int = 100_000_000,
+) -> list[Snapshot]:
+    """`n` consecutive snapshots of a plausible busy machine, fully deterministic.
+
+    `tasks` threads share `stacks` distinct callchains; rankings shift a little
+    from one snapshot to the next (so re-sorting can be seen), a few blocks per
+    interval exceed `threshold_ns` and show up as long blocks, and a handful of
+    tasks are blocked right now, their waits growing from snapshot to snapshot.
+    """
+    rng = random.Random(seed)
+    model = _build_tasks(rng, tasks, stacks)
+    agg = Aggregator(max_stacks=max(20_000, stacks))
+    # Tasks blocked right now, with the stack they are blocked in: D waits first.
+    stuck: list[tuple[_Task, _Stack]] = []
+    for want in ("D", "S"):
+        for t in model:
+            s = next((s for s in t.stacks if s.state == want), None)
+            seen = {task.comm for task, _ in stuck}
+            if s is not None and t.comm not in seen and len(stuck) < (2 if want == "D" else 5):
+                stuck.append((t, s))
+    snaps: list[Snapshot] = []
+    interval_ns = int(interval_s * 1e9)
+    for i in range(n):
+        now = start_time + (i + 1) * interval_s
+        samples: list[Sample] = []
+        long_blocks: list[LongBlock] = []
+        for task in model:
+            # Most tasks show up in most intervals; a few skip one now and then.
+            if task.flaky and rng.random() < 0.5:
+                continue
+            budget = min(interval_ns * task.busy * (0.7 + 0.6 * rng.random()), 0.99 * interval_ns)
+            total_w = sum(s.weight for s in task.stacks)
+            for s in task.stacks:
+                ns = int(budget * s.weight / total_w)
+                if ns <= 0:
+                    continue
+                count = max(1, int(ns / rng.choice((50_000, 400_000, 2_000_000, 20_000_000))))
+                max_ns = min(ns, int(ns / count * (1.0 + 3.0 * rng.random())))
+                samples.append(
+                    Sample(pid=task.pid, tid=task.tid, comm=task.comm, state=s.state,
+                           offcpu_ns=ns, count=count, max_ns=max(max_ns, 1),
+                           kernel=s.kernel, user=s.user)
+                )
+        for k in range(1 + rng.randrange(3)):
+            task = model[rng.randrange(len(model))]
+            if not task.stacks:
+                continue
+            s = task.stacks[rng.randrange(len(task.stacks))]
+            dur = int(threshold_ns * (1.0 + 9.0 * rng.random() ** 3))
+            long_blocks.append(
+                LongBlock(time=now - interval_s + (k + 1) * interval_s / 4, pid=task.pid,
+                          tid=task.tid, comm=task.comm, state=s.state, duration_ns=dur,
+                          kernel=s.kernel, user=s.user, cgroup_id=4242)
+            )
+        blocked = [
+            BlockedNow(pid=t.pid, tid=t.tid, comm=t.comm, state=s.state,
+                       blocked_ns=int(interval_ns * (i + 1) * (1.7 if j == 0 else 1) / (j + 1)
+                                      + 3_100_000 * j),
+                       kernel=s.kernel, user=s.user)
+            for j, (t, s) in enumerate(stuck)
+        ]
+        runs = 20_000 + rng.randrange(5_000)
+        stats = CaptureStats(
+            events=len(long_blocks),
+            lost=1 if i == 2 else 0,
+            events_total=0,
+            lost_total=1 if i >= 2 else 0,
+            stack_errors={"EEXIST": 2} if i % 2 else {},
+            truncated_stacks=0,
+            symbol_misses=3,
+            agg_entries=len(samples),
+            stacks_used=min(stacks, 16_384),
+            stacks_capacity=16_384,
+            probe_run_ns=runs * (280 + rng.randrange(60)),
+            probe_runs=runs,
+            interval_s=interval_s,
+        )
+        snaps.append(
+            agg.build(samples, time=now, interval_s=interval_s, threshold_ns=threshold_ns,
+                      long_blocks=long_blocks, blocked_now=blocked, stats=stats)
+        )
+    return snaps

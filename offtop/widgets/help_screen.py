@@ -1,0 +1,116 @@
+"""The help screen, built from the bindings themselves (so it cannot go stale)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+#: A section of the help: a title, a note, and the bindings it documents.
+HelpSection = tuple[str, str, Sequence[BindingType]]
+
+
+def merged_bindings(bindings: Iterable[BindingType]) -> list[tuple[list[Binding], str]]:
+    """Bindings with an id, grouped by action: `[(bindings, description)]`.
+
+    A primary binding and its secondary keys (same action, `show=False`) make
+    one line, e.g. `p / space  Pause`.
+    """
+    out: dict[str, tuple[list[Binding], str]] = {}
+    for b in bindings:
+        if not isinstance(b, Binding) or b.id is None:
+            continue
+        keys, desc = out.get(b.action, ([], ""))
+        keys.append(b)
+        out[b.action] = (keys, desc or b.tooltip or b.description)
+    return list(out.values())
+
+
+class HelpScreen(ModalScreen[None]):
+    """Every key, section by section, from the bindings of each part of the UI."""
+
+    DEFAULT_CSS = """
+    HelpScreen {
+        align: center middle;
+    }
+    HelpScreen > VerticalScroll {
+        width: 120;
+        max-width: 100%;
+        height: auto;
+        max-height: 100%;
+        border: round $accent;
+        background: $surface;
+        padding: 0 1;
+    }
+    HelpScreen Horizontal {
+        height: auto;
+    }
+    HelpScreen Vertical {
+        width: 1fr;
+        height: auto;
+        padding-right: 2;
+    }
+    HelpScreen Static {
+        width: 100%;
+    }
+    """
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "dismiss", "Close", id="help.close"),
+        Binding("question_mark", "dismiss", "Close", show=False, id="help.close2"),
+        Binding("q", "dismiss", "Close", show=False, id="help.close3"),
+    ]
+
+    def __init__(self, sections: Sequence[HelpSection]) -> None:
+        super().__init__()
+        self.sections = sections
+        #: `(keys, description)` of every line shown, in order.
+        self.lines: list[tuple[str, str]] = []
+
+    def key_display(self, binding: Binding) -> str:
+        """How a key reads: `space`, `ctrl+c`, `/`, `?`."""
+        if binding.key_display:
+            return binding.key_display
+        if binding.key in ("enter", "escape"):
+            return "enter" if binding.key == "enter" else "esc"
+        return self.app.get_key_display(binding)
+
+    def _section(self, title: str, note: str, bindings: Sequence[BindingType]) -> ComposeResult:
+        table = Table.grid(padding=(0, 2))
+        table.add_column(width=12, no_wrap=True)
+        table.add_column()
+        for keys, desc in merged_bindings(bindings):
+            shown = " / ".join(dict.fromkeys(self.key_display(b) for b in keys))
+            table.add_row(Text(shown, style="bold #5fafd7"), Text(desc))
+            self.lines.append((shown, desc))
+        head = Text()
+        head.append(title, style="bold underline")
+        if note:
+            head.append(f"\n{note}", style="dim italic")
+        yield Static(head, classes="help-title")
+        yield Static(table, classes="help-keys")
+        yield Static("")
+
+    def compose(self) -> ComposeResult:
+        first, *rest = self.sections
+        with VerticalScroll() as scroll:
+            scroll.border_title = "offtop keys"
+            scroll.border_subtitle = "Esc closes"
+            with Horizontal():
+                with Vertical():
+                    yield from self._section(*first)
+                with Vertical():
+                    for section in rest:
+                        yield from self._section(*section)
+            yield Static(Text(
+                "Off-CPU time: how long threads were switched out (sleeping, waiting on locks, "
+                "pipes, I/O) in the last interval. S = interruptible sleep, D = uninterruptible "
+                "(often I/O). Kernel frames are orange (k), user frames blue (u).",
+                style="dim"))

@@ -1,0 +1,186 @@
+"""Small rendering helpers shared by the widgets (not a widget itself).
+
+Everything here returns `rich.text.Text` built from plain strings with
+explicit styles: process names and symbols are untrusted and may contain
+`[`, so nothing is ever parsed as markup.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+from rich.text import Text
+
+from offtop.model import Frame
+from offtop.units import format_ns
+
+#: Kernel frames are warm, user frames cool: told apart at a glance.
+KERNEL_STYLE = "#f0a35e"
+USER_STYLE = "#74b9e8"
+UNKNOWN_STYLE = "dim italic"
+ARROW = " ← "
+
+#: The scheduler's own frames sit at the top of every off-CPU kernel stack;
+#: they say nothing about why the task blocked, so summaries skip them.
+SCHEDULER_FRAMES = frozenset(
+    {"__schedule", "schedule", "finish_task_switch", "finish_task_switch.isra.0",
+     "__traceiter_sched_switch", "preempt_schedule_common"}
+)
+
+#: Colours for the task states of `offtop.model.STATE_NAMES`.
+STATE_STYLES = {
+    "S": "#8fbf7f",
+    "D": "bold #ff6b6b",
+    "I": "dim",
+    "R": "#e0d070",
+    "T": "#c090e0",
+    "t": "#c090e0",
+}
+
+
+def frame_style(frame: Frame) -> str:
+    """The style of one frame: kernel, user or unresolved."""
+    if frame.unknown:
+        return UNKNOWN_STYLE
+    return KERNEL_STYLE if frame.kernel else USER_STYLE
+
+
+def frame_text(frame: Frame, *, tag: bool = True, module: bool = False) -> Text:
+    """One frame, with a `k`/`u` tag so it reads without colour too."""
+    t = Text(no_wrap=True, end="")
+    if tag:
+        t.append("k " if frame.kernel else "u ", style="dim " + (
+            KERNEL_STYLE if frame.kernel else USER_STYLE))
+    t.append(frame.name or "?", style=frame_style(frame))
+    if module and frame.module and not frame.kernel:
+        t.append(f"  {frame.module}", style="dim")
+    return t
+
+
+def innermost_frames(
+    kernel: Sequence[Frame],
+    user: Sequence[Frame],
+    *,
+    show_kernel: bool = True,
+    show_user: bool = True,
+    max_kernel: int = 2,
+    max_user: int = 3,
+) -> list[Frame]:
+    """The frames that say where a task blocked: innermost kernel, then user."""
+    out: list[Frame] = []
+    if show_kernel:
+        ks = [f for f in kernel if f.name not in SCHEDULER_FRAMES] or list(kernel[:1])
+        out += ks[:max_kernel]
+    if show_user:
+        out += list(user[:max_user])
+    return out
+
+
+def chain_summary(
+    kernel: Sequence[Frame],
+    user: Sequence[Frame],
+    *,
+    show_kernel: bool = True,
+    show_user: bool = True,
+    max_kernel: int = 2,
+    max_user: int = 3,
+) -> Text:
+    """`do_nanosleep ← hrtimer_nanosleep ← clock_nanosleep ← worker_loop`, coloured."""
+    frames = innermost_frames(kernel, user, show_kernel=show_kernel, show_user=show_user,
+                              max_kernel=max_kernel, max_user=max_user)
+    t = Text(no_wrap=True, overflow="ellipsis", end="")
+    if not frames:
+        t.append("(no frames)" if (kernel or user) else "(no stack)", style="dim")
+        return t
+    for i, f in enumerate(frames):
+        if i:
+            t.append(ARROW, style="dim")
+        t.append(f.name or "?", style=frame_style(f))
+    return t
+
+
+def outer_to_inner(
+    kernel: Sequence[Frame], user: Sequence[Frame], *, show_kernel: bool, show_user: bool
+) -> list[Frame]:
+    """A callchain read from the outside in: user outermost first, then kernel."""
+    out: list[Frame] = []
+    if show_user:
+        out += reversed(user)
+    if show_kernel:
+        out += reversed(kernel)
+    return out
+
+
+def state_text(state: str) -> Text:
+    """A one-letter state, coloured."""
+    return Text(state, style=STATE_STYLES.get(state, ""), end="")
+
+
+def duration_text(ns: float, *, width: int = 0, dim_zero: bool = True) -> Text:
+    """A right-aligned duration (`format_ns`), dim when zero."""
+    s = format_ns(ns)
+    return Text(s.rjust(width), style="dim" if dim_zero and ns <= 0 else "", end="")
+
+
+def number_text(n: int, *, width: int = 0) -> Text:
+    """A right-aligned integer, dim when zero."""
+    return Text(str(n).rjust(width), style="dim" if n == 0 else "", end="")
+
+
+def rate_text(ns: int, interval_s: float) -> Text:
+    """Off-CPU time as milliseconds per second of interval, and % of it."""
+    if interval_s <= 0:
+        return Text("-", end="")
+    ms_per_s = ns / interval_s / 1e6
+    pct = 100.0 * ns / (interval_s * 1e9)
+    ms = f"{ms_per_s:6.1f}" if ms_per_s < 1000 else f"{ms_per_s:6.0f}"
+    t = Text(ms, style="dim" if ns <= 0 else "bold", end="")
+    t.append(f"{pct:5.0f}%", style="dim" if ns <= 0 else "")
+    return t
+
+
+def severity_style(ns: float) -> str:
+    """How alarming a wait is: seconds are red, 100s of ms yellow."""
+    if ns >= 1e9:
+        return "bold #ff6b6b"
+    if ns >= 100e6:
+        return "#e0c050"
+    return ""
+
+
+_EIGHTHS = " ▏▎▍▌▋▊▉█"
+
+
+def bar(fraction: float, width: int) -> str:
+    """A horizontal bar of `width` cells filled to `fraction`, in eighths."""
+    fraction = min(1.0, max(0.0, fraction))
+    eighths = round(fraction * width * 8)
+    full, part = divmod(eighths, 8)
+    s = "█" * full
+    if part and full < width:
+        s += _EIGHTHS[part]
+    return s.ljust(width)
+
+
+def log_fraction(ns: float, lo: float = 1e6, hi: float = 10e9) -> float:
+    """Where `ns` sits between `lo` and `hi` on a log scale, 0..1."""
+    if ns <= lo:
+        return 0.0
+    return min(1.0, math.log10(ns / lo) / math.log10(hi / lo))
+
+
+def clock_time(t: float, *, millis: bool = False) -> str:
+    """A wall-clock time of day (local), from a snapshot's or event's timestamp."""
+    s = time.strftime("%H:%M:%S", time.localtime(t))
+    if millis:
+        s += f".{int((t % 1) * 1000):03d}"
+    return s
+
+
+def task_label(comm: str, pid: int, tid: int | None = None) -> Text:
+    """`comm pid/tid` with the comm literal (never markup)."""
+    t = Text(comm, style="bold", no_wrap=True, end="")
+    t.append(f" {pid}" if tid is None or tid == pid else f" {pid}/{tid}", style="dim")
+    return t

@@ -1,0 +1,151 @@
+"""The stacks of the selected task (or of all tasks), ranked by off-CPU time."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import ClassVar
+
+from rich.console import RenderableType
+from rich.text import Text
+from textual import events
+from textual.binding import Binding, BindingType
+
+from offtop.model import StackRow
+from offtop.widgets.keyed_table import KeyedTable
+from offtop.widgets.render import (
+    chain_summary,
+    duration_text,
+    number_text,
+    state_text,
+    task_label,
+)
+
+
+class StackTable(KeyedTable):
+    """Callchains ranked by off-CPU time in the last interval.
+
+    In `task` scope it lists one task's stacks; in `all` scope the top stacks
+    of every task, with a TASK column. `Enter` (or a second click) asks the
+    app to open the callchain tree of the stack under the cursor.
+    """
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("enter", "select_cursor", "Callchain",
+                tooltip="Open the callchain tree at this stack", id="stacks.drill"),
+        Binding("k", "app.toggle_kernel", "Kernel frames", show=False,
+                tooltip="Show / hide kernel frames", id="stacks.kernel"),
+        Binding("u", "app.toggle_user", "User frames", show=False,
+                tooltip="Show / hide user frames", id="stacks.user"),
+    ]
+
+    #: Rows shown at most.
+    MAX_ROWS: ClassVar[int] = 300
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.scope = "task"
+        self.show_kernel = True
+        self.show_user = True
+        self._by_key: dict[str, StackRow] = {}
+        self._stacks: Sequence[StackRow] = ()
+        self._total_ns = 0
+        self._chain_width = 40
+
+    def on_mount(self) -> None:
+        self._define_columns()
+
+    def _fixed_columns(self) -> list[tuple[str, str, int]]:
+        fixed = [("s", "S", 1), ("off", "OFF-CPU", 7), ("share", "SHARE", 6),
+                 ("count", "COUNT", 6), ("max", "MAX", 6)]
+        if self.scope == "all":
+            fixed.insert(0, ("task", "TASK", 24))
+        return fixed
+
+    def _wanted_chain_width(self) -> int:
+        used = sum(w + 2 for _, _, w in self._fixed_columns()) + 3
+        return max(24, self.size.width - used)
+
+    def _define_columns(self) -> None:
+        fixed = self._fixed_columns()
+        self._chain_width = self._wanted_chain_width()
+        cursor = self.cursor_key
+        self.set_columns([*fixed, ("chain", "CALLCHAIN (innermost first)", self._chain_width)])
+        self._sync()
+        if cursor is not None:
+            self.move_to_key(cursor)
+
+    def on_resize(self, event: events.Resize) -> None:
+        if self.columns and self._wanted_chain_width() != self._chain_width:
+            self._define_columns()
+
+    # --- data -----------------------------------------------------------
+
+    def show(
+        self,
+        stacks: Sequence[StackRow],
+        *,
+        scope: str,
+        show_kernel: bool,
+        show_user: bool,
+        total_ns: int | None = None,
+    ) -> None:
+        """Display `stacks` (already ranked), the top `MAX_ROWS` of them."""
+        redefine = scope != self.scope
+        self.scope = scope
+        self.show_kernel = show_kernel
+        self.show_user = show_user
+        self._stacks = stacks[: self.MAX_ROWS]
+        self._total_ns = total_ns if total_ns is not None else sum(s.offcpu_ns for s in stacks)
+        if redefine:
+            self._define_columns()
+        else:
+            self._sync()
+
+    def _sync(self) -> None:
+        by_key: dict[str, StackRow] = {}
+        rows = []
+        total = self._total_ns
+        toggles = (self.show_kernel, self.show_user, self._chain_width)
+        for s in self._stacks:
+            key = s.key
+            if key in by_key:
+                continue
+            by_key[key] = s
+            share = round(1000 * s.offcpu_ns / total) if total > 0 else 0
+            raw: tuple[Hashable, ...] = (
+                s.state, s.offcpu_ns, share, s.count, s.max_ns, (key, toggles))
+            if self.scope == "all":
+                raw = ((s.comm, s.pid, s.tid), *raw)
+            rows.append((key, raw))
+        self._by_key = by_key
+        self.sync_rows(rows)
+
+    def stack_at_cursor(self) -> StackRow | None:
+        """The stack under the cursor."""
+        key = self.cursor_key
+        return self._by_key.get(key) if key is not None else None
+
+    def stack_by_key(self, key: str) -> StackRow | None:
+        """A shown stack by its key."""
+        return self._by_key.get(key)
+
+    def render_cell(self, column: str, value: Hashable) -> RenderableType:
+        if column == "task":
+            assert isinstance(value, tuple)
+            comm, pid, tid = value
+            return task_label(comm, pid, tid)
+        if column == "s":
+            return state_text(str(value))
+        if column == "share":
+            assert isinstance(value, int)
+            return Text(f"{value / 10:5.1f}%", style="dim" if value == 0 else "", end="")
+        if column == "count":
+            assert isinstance(value, int)
+            return number_text(value, width=6)
+        if column == "chain":
+            assert isinstance(value, tuple)
+            s = self._by_key[value[0]]
+            return chain_summary(s.kernel, s.user, show_kernel=self.show_kernel,
+                                 show_user=self.show_user, max_kernel=3, max_user=4)
+        assert isinstance(value, int)
+        return duration_text(value, width=7 if column == "off" else 6)
