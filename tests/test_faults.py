@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -531,3 +532,111 @@ def test_two_instances_work_independently(bpf_available: None, workloads: Any) -
                 assert s["threshold_ns"] == 0 and t["events"] == t["count"] >= 20
             else:
                 assert s["threshold_ns"] == 10**9 and t["events"] == 0 and t["count"] >= 20
+
+
+# --- the TUI: signals, q and a closing terminal, in a real terminal (tmux) ------------------
+
+
+class Tmux:
+    """A private tmux server with one 120x40 pane running sh."""
+
+    def __init__(self) -> None:
+        import uuid
+
+        self.sock = f"offtop-test-{uuid.uuid4().hex[:8]}"
+        self.run("new-session", "-d", "-s", "t", "-x", "120", "-y", "40", "sh")
+        self.run("set-option", "-t", "t", "remain-on-exit", "off")
+
+    def run(self, *args: str) -> str:
+        r = subprocess.run(["tmux", "-L", self.sock, *args], capture_output=True, text=True,
+                           timeout=10)
+        assert r.returncode == 0, (args, r.stderr)
+        return r.stdout
+
+    def type(self, text: str) -> None:
+        self.run("send-keys", "-t", "t", "-l", text)
+        self.run("send-keys", "-t", "t", "Enter")
+
+    def screen(self) -> str:
+        return self.run("capture-pane", "-t", "t", "-p", "-J")
+
+    def shell_pid(self) -> int:
+        return int(self.run("display-message", "-t", "t", "-p", "#{pane_pid}").strip())
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.sock, "kill-server"], capture_output=True)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _prog_ids(pid: int) -> set[int]:
+    ids = set()
+    with contextlib.suppress(OSError):
+        for f in Path(f"/proc/{pid}/fdinfo").iterdir():
+            with contextlib.suppress(OSError):
+                for line in f.read_text().splitlines():
+                    if line.startswith("prog_id:"):
+                        ids.add(int(line.split()[1]))
+    return ids
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP", "q", "terminal-closed"])
+def test_tui_exits_fast_and_restores_the_terminal(bpf_available: None, workloads: Any,
+                                                  how: str) -> None:
+    if not (ROOT / "offtop" / "app.py").exists():
+        pytest.skip("the TUI (offtop/app.py) is not there yet")
+    if shutil.which("tmux") is None:
+        pytest.fail("tmux is missing: `make test` installs it")
+    w = workloads("sleep", "20")
+    tmux = Tmux()
+    try:
+        tmux.type(f"cd {ROOT} && {sys.executable} -m offtop.cli -p {w.pid} --interval 0.5; "
+                  "echo offtop-exit=$?")
+        shell = tmux.shell_pid()
+        assert wait_until(lambda: bool(_children(shell)), timeout=10), tmux.screen()
+        offtop = _children(shell)[0]
+        # Running for real: the probe is attached and the screen shows the workload.
+        assert wait_until(lambda: bool(_prog_ids(offtop)), timeout=30), tmux.screen()
+        progs = _prog_ids(offtop)
+        assert wait_until(lambda: "offtop_workload" in tmux.screen(), timeout=15), tmux.screen()
+
+        t0 = time.monotonic()
+        if how == "q":
+            tmux.run("send-keys", "-t", "t", "q")
+        elif how == "terminal-closed":
+            tmux.close()  # the pane's terminal goes away: SIGHUP to its processes
+        else:
+            os.kill(offtop, getattr(signal, how))
+        gone = wait_until(lambda: not Path(f"/proc/{offtop}").exists()
+                          or Path(f"/proc/{offtop}/stat").read_text().split()[2] == "Z",
+                          timeout=10, step=0.02)
+        took = time.monotonic() - t0
+        assert gone, f"offtop still running 10 s after {how}"
+        assert took < 1.0, f"offtop took {took:.2f}s to exit after {how}"
+        assert_detached(progs)
+        if how == "terminal-closed":
+            return
+
+        # The shell got its terminal back, in a sane state.
+        assert wait_until(lambda: "offtop-exit=" in tmux.screen(), timeout=5), tmux.screen()
+        assert "offtop-exit=0" in tmux.screen(), tmux.screen()
+        tmux.type("stty -a | tr '\\n' ' '; echo; echo ok-$((1+1))")
+        assert wait_until(lambda: "ok-2" in tmux.screen(), timeout=5), tmux.screen()
+        screen = tmux.screen()
+        stty = next(line for line in screen.splitlines() if "speed" in line or "icanon" in line)
+        assert re.search(r"(?<![-\w])icanon\b", stty), stty
+        assert re.search(r"(?<![-\w])echo\b", stty), stty
+        assert "Traceback" not in screen
+        # No leftover TUI modes: mouse tracking or the alternate screen would
+        # show up as escape garbage or a blank pane here.
+        assert tmux.run("display-message", "-t", "t", "-p",
+                        "#{alternate_on}#{mouse_any_flag}").strip() == "00"
+    finally:
+        tmux.close()
