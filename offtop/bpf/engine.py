@@ -29,6 +29,7 @@ from offtop.bpf.decode import (
     state_mask,
     state_name,
 )
+from offtop.bpf.compiler_memory import release_compiler_memory
 from offtop.bpf.perf_ring import PerfRing
 from offtop.model import Aggregator, BlockedNow, CaptureStats, Frame, LongBlock, Sample, Snapshot
 from offtop.source import SourceInfo, local_info
@@ -181,6 +182,7 @@ class BpfSource:
 
         self._usyms = UserSymbols(lib, symbol_type=bcc_symbol)
         self._enable_prog_stats()
+        release_compiler_memory()
         now = self._clock()
         self._last_tick = now
         self._next_subtick = now + self.config.subtick_s
@@ -346,7 +348,8 @@ class BpfSource:
             self._event_acc = {}
         if self._event_tail:
             wall = self._mono_to_wall
-            for end_ns, delta, cg, tgid, tid, us, ks, st, _cpu, comm in self._event_tail:
+            # Each CPU's ring is in order; merge them by end time.
+            for end_ns, delta, cg, tgid, tid, us, ks, st, _cpu, comm in sorted(self._event_tail):
                 self._interval.long_blocks.append(
                     LongBlock(
                         time=end_ns / 1e9 + wall,

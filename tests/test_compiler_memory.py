@@ -1,0 +1,31 @@
+"""Only clean, file-backed compiler-library mappings may be dropped."""
+
+from __future__ import annotations
+
+from offtop.bpf.compiler_memory import _clean_compiler_mappings
+
+SMAPS = """\
+7f0000000000-7f0000100000 r-xp 00000000 fe:00 1 /usr/lib/x86_64-linux-gnu/libLLVM-14.so.1
+Rss:                1000 kB
+Private_Dirty:         0 kB
+Anonymous:             0 kB
+7f0000100000-7f0000200000 r--p 00100000 fe:00 1 /usr/lib/x86_64-linux-gnu/libLLVM-14.so.1
+Rss:                1000 kB
+Private_Dirty:       900 kB
+Anonymous:           900 kB
+7f0000200000-7f0000300000 r--p 00000000 fe:00 2 /usr/lib/llvm-14/lib/libclang-cpp.so.14
+Rss:                 500 kB
+Private_Dirty:         0 kB
+Anonymous:             0 kB
+7f0000300000-7f0000400000 r-xp 00000000 fe:00 3 /usr/lib/x86_64-linux-gnu/libc.so.6
+Rss:                 500 kB
+Private_Dirty:         0 kB
+Anonymous:             0 kB
+"""
+
+
+def test_only_clean_llvm_and_clang_mappings_are_selected() -> None:
+    assert _clean_compiler_mappings(SMAPS) == [
+        (0x7F0000000000, 0x7F0000100000),
+        (0x7F0000200000, 0x7F0000300000),
+    ]
