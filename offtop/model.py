@@ -7,8 +7,9 @@ records whose stacks are already symbolized, and it hands back a frozen
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 #: Task states offtop reports, as the sched_switch tracepoint normalizes them.
@@ -118,6 +119,8 @@ class ProcessRow:
     state_ns: Mapping[str, int]
     total_ns: int
     events: int = 0
+    user: str = ""
+    cmdline: str = ""
 
     @property
     def key(self) -> str:
@@ -293,8 +296,14 @@ class Aggregator:
         long_blocks: Iterable[LongBlock] = (),
         blocked_now: Iterable[BlockedNow] = (),
         stats: CaptureStats | None = None,
+        process_meta: Callable[[int], tuple[str, str] | None] | None = None,
+        meta_limit: int = 200,
     ) -> Snapshot:
-        """Aggregate one interval and return its snapshot."""
+        """Aggregate one interval and return its snapshot.
+
+        `process_meta(pid)` gives (user, command line) for the top `meta_limit`
+        processes, or None for a process that is gone.
+        """
         self._seq += 1
         seq = self._seq
         threads: dict[int, _Acc] = {}
@@ -366,7 +375,7 @@ class Aggregator:
             interval_s=interval_s,
             threshold_ns=threshold_ns,
             tasks=tasks,
-            processes=group_processes(tasks),
+            processes=group_processes(tasks, process_meta, meta_limit),
             stacks=tuple(stack_rows[: self._max_stacks]),
             long_blocks=tuple(long_blocks),
             blocked_now=tuple(sorted(blocked_now, key=lambda b: (-b.blocked_ns, b.tid))),
@@ -402,7 +411,11 @@ class _ProcAcc:
     state_ns: dict[str, int] = field(default_factory=dict)
 
 
-def group_processes(tasks: Iterable[TaskRow]) -> tuple[ProcessRow, ...]:
+def group_processes(
+    tasks: Iterable[TaskRow],
+    process_meta: Callable[[int], tuple[str, str] | None] | None = None,
+    meta_limit: int = 200,
+) -> tuple[ProcessRow, ...]:
     """Sum threads into processes, most off-CPU time first.
 
     A process is named after its main thread when that thread is present
@@ -438,4 +451,9 @@ def group_processes(tasks: Iterable[TaskRow]) -> tuple[ProcessRow, ...]:
         for pid, p in procs.items()
     ]
     rows.sort(key=lambda r: (-r.offcpu_ns, r.pid))
+    if process_meta is not None:
+        for i, r in enumerate(rows[:meta_limit]):
+            meta = process_meta(r.pid)
+            if meta is not None:
+                rows[i] = dataclasses.replace(r, user=meta[0], cmdline=meta[1])
     return tuple(rows)

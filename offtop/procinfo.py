@@ -23,6 +23,11 @@ class ProcessInfoCache:
         self._cache: dict[tuple[int, float], ProcessInfo] = {}
         self._max = max_entries
 
+    def user_and_cmdline(self, pid: int) -> tuple[str, str] | None:
+        """(user, command line) of a live process, for `Aggregator.build`."""
+        info = self.get(pid)
+        return None if info is None else (info.user, info.cmdline)
+
     def get(self, pid: int) -> ProcessInfo | None:
         """Metadata of a live process, or None when it is gone or hidden."""
         try:

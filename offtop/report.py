@@ -100,6 +100,8 @@ def snapshot_to_json(snap: Snapshot) -> dict[str, Any]:
                 "state_ns": _state_ns(p.state_ns),
                 "total_ns": p.total_ns,
                 "events": p.events,
+                "user": p.user,
+                "cmdline": p.cmdline,
             }
             for p in snap.processes
         ],
@@ -209,6 +211,8 @@ def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
                 state_ns=_drop_zero_states(p["state_ns"]),
                 total_ns=p.get("total_ns", p["offcpu_ns"]),
                 events=p.get("events", 0),
+                user=p.get("user", ""),
+                cmdline=p.get("cmdline", ""),
             )
             for p in d.get("processes", ())
         ),

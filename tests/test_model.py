@@ -69,3 +69,20 @@ def test_empty_interval_and_zero_guards() -> None:
 def test_frames_know_when_they_are_unknown() -> None:
     assert Frame("0x7f00").unknown and Frame("[libc.so.6+0x10]").unknown
     assert not Frame("main").unknown
+
+
+def test_process_metadata_is_attached_to_the_top_processes_only() -> None:
+    asked: list[int] = []
+
+    def meta(pid: int) -> tuple[str, str] | None:
+        asked.append(pid)
+        return None if pid == 30 else ("alice", f"/bin/app{pid}")
+
+    snap = Aggregator().build([s(1, 300, pid=10), s(2, 200, pid=20), s(3, 100, pid=30)],
+                              time=1.0, interval_s=1.0, threshold_ns=1, process_meta=meta,
+                              meta_limit=3)
+    assert [(p.user, p.cmdline) for p in snap.processes] == [
+        ("alice", "/bin/app10"), ("alice", "/bin/app20"), ("", "")]
+    procs = Aggregator().build([s(1, 300, pid=10), s(2, 200, pid=20)], time=1.0, interval_s=1.0,
+                               threshold_ns=1, process_meta=meta, meta_limit=1).processes
+    assert procs[1].cmdline == ""

@@ -32,6 +32,7 @@ from offtop.bpf.decode import (
 from offtop.bpf.compiler_memory import release_compiler_memory
 from offtop.bpf.perf_ring import PerfRing
 from offtop.model import Aggregator, BlockedNow, CaptureStats, Frame, LongBlock, Sample, Snapshot
+from offtop.procinfo import ProcessInfoCache
 from offtop.source import SourceInfo, local_info
 from offtop.symbols import KernelSymbols, UserSymbols, process_start_time
 
@@ -126,6 +127,7 @@ class BpfSource:
         self._ksyms: KernelSymbols | None = None
         self._usyms: UserSymbols | None = None
         self._agg = Aggregator()
+        self._procinfo = ProcessInfoCache()
         self._gen = 0
         self._raw_events: list[bytes] = []
         self._event_acc: dict[_RawKey, list[Any]] = {}
@@ -587,6 +589,7 @@ class BpfSource:
             long_blocks=iv.long_blocks,
             blocked_now=blocked,
             stats=stats,
+            process_meta=self._procinfo.user_and_cmdline,
         )
 
 
