@@ -14,6 +14,7 @@ for `set_threshold`, a single map write.
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import sys
 import threading
@@ -29,10 +30,11 @@ from textual import events, on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.reactive import var
 from textual.screen import Screen
-from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static
+from textual.widgets import ContentSwitcher, DataTable, Input, Static
 from textual.worker import get_current_worker
 
 from offtop.model import LongBlock, ProcessRow, Snapshot, StackRow, TaskRow
@@ -42,6 +44,7 @@ from offtop.widgets.blocked_now import BlockedNowTable
 from offtop.widgets.callchain_tree import CallchainTree, Path, stack_path
 from offtop.widgets.header import OfftopHeader
 from offtop.widgets.help_screen import HelpScreen, HelpSection
+from offtop.widgets.key_bar import KeyBar
 from offtop.widgets.keyed_table import KeyedTable
 from offtop.widgets.long_blocks_log import LongBlocksLog
 from offtop.widgets.render import task_label
@@ -232,7 +235,7 @@ class OfftopApp(App[int]):
                 yield ThresholdSlider(self.source.threshold_ns, id="slider", classes="pane")
                 yield LongBlocksLog(id="long-blocks", classes="pane")
         yield Static(id="error")
-        yield Footer()
+        yield KeyBar(id="keys")
 
     def on_mount(self) -> None:
         header = self.query_one(OfftopHeader)
@@ -348,14 +351,19 @@ class OfftopApp(App[int]):
             self.status = "ended" if not self._stop.is_set() else self.status
 
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
+        if self._stop.is_set():
+            return  # quitting: the widgets may already be gone
         self.received += 1
         if self.status == "starting":
             self.status = "running"
-        if self.paused:
-            self._held = message
-            self.query_one(OfftopHeader).behind += 1
-            return
-        self._show(message)
+        try:
+            if self.paused:
+                self._held = message
+                self.query_one(OfftopHeader).behind += 1
+                return
+            self._show(message)
+        except NoMatches:
+            pass  # shutting down: the widgets are gone
 
     def _show(self, message: SnapshotReady) -> None:
         self._held = None
@@ -388,10 +396,11 @@ class OfftopApp(App[int]):
 
     def _advance_blocked(self) -> None:
         """Let the blocked-now waits grow between snapshots."""
-        if self.snapshot is None or self.paused:
+        if self.snapshot is None or self.paused or self._stop.is_set():
             return
         elapsed = max(0.0, self.clock() - self._arrived)
-        self.query_one(BlockedNowTable).advance(int(elapsed * 1e9))
+        for table in self.query(BlockedNowTable):
+            table.advance(int(elapsed * 1e9))
 
     # --- refreshing panes ---------------------------------------------------
 
@@ -545,7 +554,8 @@ class OfftopApp(App[int]):
         self._refresh_stacks()
 
     def watch_drilled(self, drilled: bool) -> None:
-        self.set_class(drilled, "-drilled")
+        # On the screen, where the size breakpoints are: the short layout
+        # swaps the task pane for the tree (see app.tcss).
         self.screen.set_class(drilled, "-drilled")
         switcher = self.query_one(ContentSwitcher)
         switcher.current = "tree" if drilled else "stacks"
@@ -797,6 +807,11 @@ def run_app(
     code is 1. The caller closes the source.
     """
     app = OfftopApp(source, interval_s=interval_s)
+    # What is loaded by now (Textual, Rich, bcc, ...) lives as long as the
+    # process: keep it out of the cyclic GC's full collections, which would
+    # otherwise scan it every time and stall the UI for tens of ms.
+    gc.collect()
+    gc.freeze()
     app.run()
     if app.source_error is not None:
         if on_error is None:

@@ -97,7 +97,7 @@ class BlockedNowTable(KeyedTable):
             wait = b.blocked_ns + self._elapsed_ns
             rows.append((key, ((format_ns(wait), round(log_fraction(wait) * 48),
                                 severity_style(wait)),
-                               b.state, (key, b.comm, view))))
+                               b.state, (b.comm, b.pid, b.tid, b.kernel, b.user, view))))
         self.sync_rows(rows)
 
     def blocked_at_cursor(self) -> BlockedNow | None:
@@ -115,9 +115,10 @@ class BlockedNowTable(KeyedTable):
         if column == "s":
             return state_text(str(value))
         assert isinstance(value, tuple)
-        b = self._by_key[value[0]]
-        t = task_label(b.comm, b.pid, b.tid)
+        comm, pid, tid, kernel, user, (show_kernel, show_user, _) = value
+        t = task_label(comm, pid, tid)
         t.append("\n")
-        t.append_text(chain_summary(b.kernel, b.user, show_kernel=self.show_kernel,
-                                    show_user=self.show_user, max_kernel=2, max_user=3))
+        t.append_text(chain_summary(kernel, user, show_kernel=show_kernel, show_user=show_user,
+                                    max_kernel=2, max_user=3))
+        t.no_wrap, t.overflow = True, "ellipsis"
         return t

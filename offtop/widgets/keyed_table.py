@@ -4,20 +4,28 @@ The base of the task, stack and blocked-now tables. Each refresh hands over
 the rows wanted, in order, as `(key, raw values)`; the table removes stale
 rows, re-renders only the cells whose raw value changed (`update_cell`),
 adds new rows and sorts once, then puts the cursor back on the row (key) it
-was on. Raw values are cheap to compare (numbers, strings, tuples); turning
-them into `Text` is left to `render_cell` and only done for what changed.
+was on. Raw values are what the cell shows, before styling (a formatted
+duration rather than nanoseconds), so a cell is only touched when what it
+shows changes; turning them into `Text` is left to `render_cell`, cached by
+(column, raw value) for every column but the first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from rich.console import RenderableType
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
+from textual._two_way_dict import TwoWayDict
 from textual.binding import Binding, BindingType
 from textual.widgets import DataTable
-from textual.widgets.data_table import CellDoesNotExist, RowKey
+from textual.widgets.data_table import CellDoesNotExist, ColumnKey, RowKey
+
+#: Rendered lines of a cell, as DataTable keeps them.
+SegmentLines = list[list[Segment]]
 
 #: One row handed to `KeyedTable.sync_rows`: its key and its raw cell values.
 KeyedRow = tuple[str, tuple[Hashable, ...]]
@@ -35,7 +43,7 @@ class KeyedTable(DataTable[RenderableType]):
     ROW_HEIGHT: ClassVar[int] = 1
     #: Above this share of rows replaced, clearing and re-adding is cheaper than
     #: removing rows one by one (DataTable re-indexes all rows on each removal).
-    REBUILD_RATIO: ClassVar[float] = 0.4
+    REBUILD_RATIO: ClassVar[float] = 0.6
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(
@@ -44,6 +52,8 @@ class KeyedTable(DataTable[RenderableType]):
         self._raw: dict[str, tuple[Hashable, ...]] = {}
         self._order: list[str] = []
         self._column_keys: list[str] = []
+        self._rendered: dict[tuple[str, Hashable], RenderableType] = {}
+        self._lines_cache: dict[tuple[Any, ...], tuple[object, SegmentLines]] = {}
 
     # --- for subclasses -------------------------------------------------
 
@@ -67,6 +77,28 @@ class KeyedTable(DataTable[RenderableType]):
     def render_cell(self, column: str, value: Hashable) -> RenderableType:
         """Turn one raw value into what the cell shows (override)."""
         return Text(str(value), end="")
+
+    def _cell(self, column: str, value: Hashable) -> RenderableType:
+        """`render_cell`, cached; the first column is rendered per row (see `_sort_to`)."""
+        if column == self._column_keys[0]:
+            return self.render_cell(column, value)
+        key = (column, value)
+        cell = self._rendered.get(key)
+        if cell is None:
+            if len(self._rendered) > 4_000:
+                self._rendered.clear()
+            cell = self._rendered[key] = self.render_cell(column, value)
+        return cell
+
+    def refresh_cells(self) -> None:
+        """Re-render every cell (after a change `render_cell` depends on)."""
+        self._rendered.clear()
+        changes = [
+            (key, column, self._cell(column, value))
+            for key, raw in self._raw.items()
+            for column, value in zip(self._column_keys, raw, strict=True)
+        ]
+        self.update_cells(changes)
 
     # --- state ----------------------------------------------------------
 
@@ -106,6 +138,13 @@ class KeyedTable(DataTable[RenderableType]):
             self._rebuild(rows)
         else:
             self._diff(rows, stale, wanted)
+        # Every column has a fixed width and every row a fixed height, so the
+        # measuring of each new row's cells that DataTable does on idle (for
+        # auto widths and heights) would be wasted: most of the cost of adding
+        # rows. The virtual size is still recomputed.
+        new_rows = getattr(self, "_new_rows", None)
+        if isinstance(new_rows, set):
+            new_rows.clear()
         if cursor_key is not None and cursor_key in self._raw:
             self.move_to_key(cursor_key)
 
@@ -117,16 +156,18 @@ class KeyedTable(DataTable[RenderableType]):
         self._order = [key for key, _ in rows]
 
     def _add(self, key: str, raw: tuple[Hashable, ...]) -> None:
-        cells = [self.render_cell(c, v) for c, v in zip(self._column_keys, raw, strict=True)]
+        cells = [self._cell(c, v) for c, v in zip(self._column_keys, raw, strict=True)]
         self.add_row(*cells, key=key, height=self.ROW_HEIGHT)
         self._raw[key] = raw
 
     def _diff(self, rows: Sequence[KeyedRow], stale: list[str], wanted: set[str]) -> None:
-        for key in stale:
-            self.remove_row(key)
-            del self._raw[key]
+        if stale:
+            self.remove_rows(stale)
+            for key in stale:
+                del self._raw[key]
         added: list[str] = []
         columns = self._column_keys
+        changes: list[tuple[str, str, RenderableType]] = []
         for key, raw in rows:
             old = self._raw.get(key)
             if old is None:
@@ -135,13 +176,101 @@ class KeyedTable(DataTable[RenderableType]):
             elif old != raw:
                 for column, new_value, old_value in zip(columns, raw, old, strict=True):
                     if new_value != old_value:
-                        self.update_cell(key, column, self.render_cell(column, new_value))
+                        changes.append((key, column, self._cell(column, new_value)))
                 self._raw[key] = raw
+        self.update_cells(changes)
         now = [key for key in self._order if key in wanted] + added
         want = [key for key, _ in rows]
         if now != want:
             self._sort_to(want)
         self._order = want
+
+    # --- batched DataTable operations ------------------------------------
+    #
+    # `DataTable.remove_row` re-indexes every row after the removed one, and
+    # `update_cell` schedules a refresh per call: with hundreds of rows per
+    # tick that is most of the tick. These do the same bookkeeping once per
+    # batch. They touch DataTable's private state (Textual is pinned < 9; the
+    # UI tests exercise both), and fall back to the public calls if it moved.
+
+    def update_cells(self, changes: Sequence[tuple[str, str, RenderableType]]) -> None:
+        """`update_cell` for many cells (no width update), with one refresh."""
+        if not changes:
+            return
+        try:
+            data = self._data
+            for row, column, value in changes:
+                data[RowKey(row)][ColumnKey(column)] = value
+        except (AttributeError, KeyError):
+            for row, column, value in changes:
+                self.update_cell(row, column, value)
+            return
+        self._update_count += 1
+        self.refresh()
+
+    def remove_rows(self, keys: Sequence[str]) -> None:
+        """`remove_row` for many rows, re-indexing once."""
+        gone = {RowKey(k) for k in keys}
+        try:
+            remaining = [RowKey(k) for k in self._order if RowKey(k) not in gone]
+            for row_key in gone:
+                del self.rows[row_key]
+                del self._data[row_key]
+            self._updated_cells = {c for c in self._updated_cells if c.row_key not in gone}
+            self._new_rows -= gone
+            self._row_locations = TwoWayDict({k: i for i, k in enumerate(remaining)})
+        except (AttributeError, KeyError):
+            for key in keys:
+                if key in self.rows:
+                    self.remove_row(key)
+            return
+        # DataTable re-measures on idle (`_require_update_dimensions`); the
+        # virtual size, hence the layout, only changes if the row count does.
+        self._require_update_dimensions = True
+        self._update_count += 1
+        self.cursor_coordinate = self.cursor_coordinate
+        self.hover_coordinate = self.hover_coordinate
+        self.refresh()
+        self.check_idle()
+
+    def _render_cell(
+        self,
+        row_index: int,
+        column_index: int,
+        base_style: Style,
+        width: int,
+        cursor: bool = False,
+        hover: bool = False,
+    ) -> SegmentLines:
+        """DataTable's cell render, cached by the cell's own identity.
+
+        DataTable keys its render cache on a table-wide update counter, so any
+        `update_cell` re-renders every visible cell. Here a changed cell is a
+        new object (`update_cells` stores a new renderable), so the object
+        itself says whether the cell changed; the row index stays in the key
+        because the rendered segments carry it (for mouse clicks).
+        """
+        try:
+            row_key = self._row_locations.get_key(row_index) if row_index >= 0 else None
+            column_key = self._column_locations.get_key(column_index)
+            cell = (self._data[row_key][column_key]
+                    if row_key is not None and column_key is not None else None)
+        except (AttributeError, KeyError):
+            cell = None
+        if cell is None:
+            return super()._render_cell(row_index, column_index, base_style, width,
+                                        cursor, hover)
+        key = (row_index, column_index, id(cell), base_style, width, cursor, hover,
+               self._show_hover_cursor, self._pseudo_class_state)
+        hit = self._lines_cache.get(key)
+        if hit is not None and hit[0] is cell:
+            return hit[1]
+        lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        if len(self._lines_cache) > 3_000:
+            self._lines_cache.clear()
+        # The cell is kept with its lines: its id cannot be reused while cached.
+        self._lines_cache[key] = (cell, lines)
+        return lines
 
     def _sort_to(self, order: list[str]) -> None:
         """Sort the rows into `order` with one `DataTable.sort`.

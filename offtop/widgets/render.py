@@ -129,15 +129,22 @@ def number_text(n: int, *, width: int = 0) -> Text:
     return Text(str(n).rjust(width), style="dim" if n == 0 else "", end="")
 
 
-def rate_text(ns: int, interval_s: float) -> Text:
+def rate_parts(ns: int, interval_s: float) -> tuple[str, str]:
     """Off-CPU time as milliseconds per second of interval, and % of it."""
     if interval_s <= 0:
-        return Text("-", end="")
+        return ("     -", "     ")
     ms_per_s = ns / interval_s / 1e6
     pct = 100.0 * ns / (interval_s * 1e9)
     ms = f"{ms_per_s:6.1f}" if ms_per_s < 1000 else f"{ms_per_s:6.0f}"
-    t = Text(ms, style="dim" if ns <= 0 else "bold", end="")
-    t.append(f"{pct:5.0f}%", style="dim" if ns <= 0 else "")
+    return ms, f"{pct:5.0f}%"
+
+
+def rate_text(parts: tuple[str, str]) -> Text:
+    """`rate_parts` styled: the rate bold, zero dim."""
+    ms, pct = parts
+    zero = ms.strip() in ("0.0", "-")
+    t = Text(ms, style="dim" if zero else "bold", end="")
+    t.append(pct, style="dim" if zero else "")
     return t
 
 

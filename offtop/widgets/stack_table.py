@@ -11,10 +11,10 @@ from textual import events
 from textual.binding import Binding, BindingType
 
 from offtop.model import StackRow
+from offtop.units import format_ns
 from offtop.widgets.keyed_table import KeyedTable
 from offtop.widgets.render import (
     chain_summary,
-    duration_text,
     number_text,
     state_text,
     task_label,
@@ -38,8 +38,8 @@ class StackTable(KeyedTable):
                 tooltip="Show / hide user frames", id="stacks.user"),
     ]
 
-    #: Rows shown at most.
-    MAX_ROWS: ClassVar[int] = 300
+    #: Rows shown at most (the pane shows a screenful; the tree has them all).
+    MAX_ROWS: ClassVar[int] = 100
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
@@ -113,7 +113,8 @@ class StackTable(KeyedTable):
             by_key[key] = s
             share = round(1000 * s.offcpu_ns / total) if total > 0 else 0
             raw: tuple[Hashable, ...] = (
-                s.state, s.offcpu_ns, share, s.count, s.max_ns, (key, toggles))
+                s.state, format_ns(s.offcpu_ns), share, s.count, format_ns(s.max_ns),
+                (key, toggles))
             if self.scope == "all":
                 raw = ((s.comm, s.pid, s.tid), *raw)
             rows.append((key, raw))
@@ -147,5 +148,5 @@ class StackTable(KeyedTable):
             s = self._by_key[value[0]]
             return chain_summary(s.kernel, s.user, show_kernel=self.show_kernel,
                                  show_user=self.show_user, max_kernel=3, max_user=4)
-        assert isinstance(value, int)
-        return duration_text(value, width=7 if column == "off" else 6)
+        text = str(value).rjust(7 if column == "off" else 6)
+        return Text(text, style="dim" if value == "0" else "", end="")

@@ -14,8 +14,9 @@ from textual.message import Message
 from textual.widgets import DataTable
 
 from offtop.model import ProcessRow, TaskRow
+from offtop.units import format_ns
 from offtop.widgets.keyed_table import KeyedTable
-from offtop.widgets.render import duration_text, number_text, rate_text
+from offtop.widgets.render import number_text, rate_parts, rate_text
 
 #: A row of the table: a thread or a process.
 Row = TaskRow | ProcessRow
@@ -108,8 +109,8 @@ class TaskTable(KeyedTable):
                 tooltip="Open the callchain tree of the task", id="tasks.drill"),
     ]
 
-    #: Rows shown at most; the rest are counted ("N more").
-    MAX_ROWS: ClassVar[int] = 500
+    #: Rows shown at most; the rest are counted ("N more") and found by filter.
+    MAX_ROWS: ClassVar[int] = 300
 
     class SortChanged(Message):
         """The sort column or direction changed."""
@@ -252,12 +253,12 @@ class TaskTable(KeyedTable):
             r.pid,
             second,
             r.comm,
-            r.state_ns.get("S", 0),
-            r.state_ns.get("D", 0),
-            (r.offcpu_ns, self.interval_s),
+            format_ns(r.state_ns.get("S", 0)),
+            format_ns(r.state_ns.get("D", 0)),
+            rate_parts(r.offcpu_ns, self.interval_s),
             r.count,
-            r.max_ns,
-            r.total_ns,
+            format_ns(r.max_ns),
+            format_ns(r.total_ns),
         ]
         if self.compact:
             del raw[3:5]
@@ -270,18 +271,14 @@ class TaskTable(KeyedTable):
             return Text(str(value), no_wrap=True, overflow="ellipsis", end="")
         if column == "off":
             assert isinstance(value, tuple)
-            return rate_text(value[0], value[1])
+            return rate_text(value)
         if column == "count":
             assert isinstance(value, int)
             return number_text(value, width=6)
-        if column == "d":
-            assert isinstance(value, int)
-            t = duration_text(value, width=6)
-            if value > 0:
-                t.stylize("#ff8080")
-            return t
-        assert isinstance(value, int)
-        return duration_text(value, width=7 if column == "total" else 6)
+        text = str(value).rjust(7 if column == "total" else 6)
+        if value == "0":
+            return Text(text, style="dim", end="")
+        return Text(text, style="#ff8080" if column == "d" else "", end="")
 
     @property
     def hidden_rows(self) -> int:

@@ -1,0 +1,213 @@
+"""UI responsiveness benchmark: 2,000 tasks and 20,000 stacks per snapshot.
+
+Replays synthetic snapshots into `OfftopApp` under `App.run_test()` and
+measures, in one run:
+
+* tick cost: from handing a new snapshot to the app (`publish`, which also
+  builds the per-snapshot index that the worker thread builds live) until the
+  screen is repainted, in the task view and with the callchain tree open;
+* keypress → repaint latency for down, s, t, enter/esc, +/-.
+
+"Repainted" means all queued messages processed and the compositor has
+rendered the dirty regions (`pilot.pause(0)` forces the update the refresh
+timer would do). Prints median and max over the runs; not a test, exits 0.
+
+    .venv/bin/python bench/bench_ui.py [--runs 9] [--tasks 2000] [--stacks 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from textual import events
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from offtop.app import OfftopApp, SnapshotIndex
+from offtop.model import Snapshot
+from offtop.source import ReplaySource, SourceInfo
+from offtop.synthetic import synthetic_snapshots
+
+BAR_MS = 100.0
+
+
+class HeldReplay(ReplaySource):
+    """A replay source that waits like a live one once its snapshots are played."""
+
+    def next_snapshot(self, interval_s: float, stop: threading.Event) -> Snapshot | None:
+        snap = super().next_snapshot(interval_s, stop)
+        if snap is None:
+            stop.wait()
+        return snap
+
+
+def _quiet(app: OfftopApp) -> bool:
+    nodes = [app, app.screen, *app.screen.walk_children(with_self=False)]
+    return all(node._message_queue.empty() for node in nodes)
+
+
+async def settle(pilot: Any) -> None:
+    """Process what is queued and what that queues in turn, then repaint.
+
+    `pilot.pause(0)` runs every message queued when it is called, then forces
+    the screen update; messages posted meanwhile need another round.
+    """
+    for _ in range(20):
+        await pilot.pause(0)
+        if _quiet(pilot.app):
+            await pilot.pause(0)
+            return
+
+
+#: Key name → the character a terminal sends for it.
+CHARS = {"down": None, "enter": None, "escape": None, "plus": "+", "minus": "-"}
+
+
+def send_key(app: OfftopApp, key: str) -> None:
+    """Deliver a key the way the terminal driver does (`Pilot.press` adds idle
+    waits of 20 ms or more per key, which would swamp what is measured)."""
+    event = events.Key(key, CHARS.get(key, key))
+    event.set_sender(app)
+    assert app._driver is not None
+    app._driver.send_message(event)
+
+
+#: CPU time of each measurement, by the order it was taken (wall times are
+#: what counts, but on a shared machine CPU time shows what is ours).
+CPU_MS: list[float] = []
+
+
+async def measure(runs: int, action: Callable[[int], Awaitable[None]], pilot: Any) -> list[float]:
+    out = []
+    for i in range(runs):
+        await settle(pilot)
+        t0, c0 = time.perf_counter(), time.process_time()
+        await action(i)
+        await settle(pilot)
+        out.append((time.perf_counter() - t0) * 1000)
+        CPU_MS.append((time.process_time() - c0) * 1000)
+    return out
+
+
+async def bench(
+    runs: int, tasks: int, stacks: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    t0 = time.perf_counter()
+    snaps = synthetic_snapshots(runs + 2, tasks=tasks, stacks=stacks, seed=1)
+    gen_s = time.perf_counter() - t0
+    # The bench holds all its input snapshots; the app holds one or two. Keep
+    # the input out of the cyclic GC's way so that its full collections cost
+    # what they would cost in the app, not ~5x more.
+    gc.collect()
+    gc.freeze()
+    print(f"synthetic data: {runs + 2} snapshots of {len(snaps[0].tasks):,} tasks, "
+          f"{len(snaps[0].stacks):,} stacks, {len(snaps[0].processes):,} processes "
+          f"(generated in {gen_s:.1f}s)")
+    source = HeldReplay(snaps[:1], realtime=False,
+                        info=SourceInfo(host="bench", kernel="-", kind="replay"))
+    app = OfftopApp(source, clock=lambda: 0.0)
+    results: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    async with app.run_test(size=(160, 50)) as pilot:
+        for _ in range(1000):
+            if app.snapshot is not None:
+                break
+            await asyncio.sleep(0.01)
+        await settle(pilot)
+
+        seq = iter(range(1, 10_000))
+        feed = [s for s in snaps[1:]]
+
+        def next_snap() -> Snapshot:
+            snap = feed[next(seq) % len(feed)]
+            return snap
+
+        async def tick(_: int) -> None:
+            snap = next_snap()
+            target = app.received + 1
+            app.publish(snap)
+            while app.received < target:
+                await asyncio.sleep(0)
+
+        index_ms = []
+        for snap in snaps[:runs]:
+            t = time.perf_counter()
+            SnapshotIndex.build(snap)
+            index_ms.append((time.perf_counter() - t) * 1000)
+        results["index (worker thread)"] = index_ms
+        cpu["index (worker thread)"] = index_ms
+
+        async def timed(name: str, n: int, action: Callable[[int], Awaitable[None]]) -> None:
+            start = len(CPU_MS)
+            results.setdefault(name, []).extend(await measure(n, action, pilot))
+            cpu.setdefault(name, []).extend(CPU_MS[start:])
+
+        await timed("tick: task view", runs, tick)
+
+        async def press(key: str) -> Callable[[int], Awaitable[None]]:
+            async def go(_: int) -> None:
+                send_key(app, key)
+
+            return go
+
+        await timed("key: down", runs, await press("down"))
+        await timed("key: s (sort)", runs, await press("s"))
+        for _ in range(9 - (runs % 9)):
+            send_key(app, "s")  # back around to the default sort
+        await settle(pilot)
+        for _ in range(runs):
+            await timed("key: t (to processes)", 1, await press("t"))
+            await timed("key: t (to threads)", 1, await press("t"))
+        for _ in range(runs):
+            await timed("key: enter (tree)", 1, await press("enter"))
+            await timed("key: esc (back)", 1, await press("escape"))
+        for _ in range(runs):
+            await timed("key: + (threshold)", 1, await press("plus"))
+            await timed("key: - (threshold)", 1, await press("minus"))
+        send_key(app, "enter")
+        await settle(pilot)
+        await timed("tick: tree open", runs, tick)
+        send_key(app, "escape")
+        send_key(app, "t")
+        await settle(pilot)
+        await timed("tick: processes", runs, tick)
+        writes = len(source.threshold_writes)
+    print(f"threshold writes recorded by the source: {writes}")
+    return results, cpu
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--stacks", type=int, default=20_000)
+    args = parser.parse_args()
+    results, cpu = asyncio.run(bench(max(7, args.runs), args.tasks, args.stacks))
+    try:
+        load = "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+    except OSError:
+        load = ""
+    print(f"\n{os.cpu_count()} CPUs, {load}")
+    print(f"{'measure':<24} {'wall median':>11} {'max':>7} {'cpu median':>11} {'max':>7}"
+          f" {'runs':>5}  wall < {BAR_MS:.0f} ms")
+    for name, values in results.items():
+        med, worst = statistics.median(values), max(values)
+        c = cpu.get(name, values)
+        ok = "yes" if worst < BAR_MS else ("median" if med < BAR_MS else "NO")
+        print(f"{name:<24} {med:>11.1f} {worst:>7.1f} {statistics.median(c):>11.1f}"
+              f" {max(c):>7.1f} {len(values):>5}  {ok}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
