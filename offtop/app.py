@@ -448,6 +448,11 @@ class OfftopApp(App[int]):
         if isinstance(row, ProcessRow):
             t = task_label(row.comm, row.pid)
             t.append(f" ({row.threads} threads)", style="dim")
+            if row.user:
+                t.append(f" {row.user}", style="italic")
+            if row.cmdline:
+                cmd = row.cmdline if len(row.cmdline) <= 60 else row.cmdline[:59] + "…"
+                t.append(f" {cmd}", style="dim")
         else:
             t = task_label(row.comm, row.pid, row.tid)
         return t

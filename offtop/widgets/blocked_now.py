@@ -47,6 +47,7 @@ class BlockedNowTable(KeyedTable):
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.show_header = False
+        self.show_cursor = False  # shown while focused only: rows come and go
         self.show_kernel = True
         self.show_user = True
         self._blocked: Sequence[BlockedNow] = ()
@@ -56,6 +57,12 @@ class BlockedNowTable(KeyedTable):
 
     def on_mount(self) -> None:
         self._define_columns()
+
+    def on_focus(self) -> None:
+        self.show_cursor = True
+
+    def on_blur(self) -> None:
+        self.show_cursor = False
 
     def _wanted_width(self) -> int:
         return max(16, self.size.width - (7 + 2) - (1 + 2) - 3)
@@ -119,6 +126,6 @@ class BlockedNowTable(KeyedTable):
         t = task_label(comm, pid, tid)
         t.append("\n")
         t.append_text(chain_summary(kernel, user, show_kernel=show_kernel, show_user=show_user,
-                                    max_kernel=2, max_user=3))
+                                    max_kernel=1, max_user=3))
         t.no_wrap, t.overflow = True, "ellipsis"
         return t

@@ -29,7 +29,7 @@ def long_block_line(block: LongBlock, *, show_kernel: bool = True, show_user: bo
     t.append_text(task_label(block.comm, block.pid, block.tid))
     t.append("  ")
     t.append_text(chain_summary(block.kernel, block.user, show_kernel=show_kernel,
-                                show_user=show_user, max_kernel=2, max_user=2))
+                                show_user=show_user, max_kernel=1, max_user=2))
     return t
 
 
