@@ -218,9 +218,8 @@ class UserSymbols:
         now = self._clock()
         gone = []
         for pid, p in self._procs.items():
-            if p.dead_since is None and (force or len(self._procs) > self._max // 2):
-                if self._start_time(pid) != p.start:
-                    p.dead_since = now - (self._grace if force else 0)
+            if p.dead_since is None and self._start_time(pid) != p.start:
+                p.dead_since = now - (self._grace if force else 0)
             if p.dead_since is not None and now - p.dead_since >= self._grace:
                 gone.append(pid)
         for pid in gone:

@@ -7,6 +7,7 @@ machine without root/BPF they skip, unless OFFTOP_REQUIRE_BPF=1 (set by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -77,10 +78,8 @@ class Workload:
     def stop(self) -> None:
         """Kill the whole process group (vfork children included)."""
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc.wait(timeout=5)
 
 

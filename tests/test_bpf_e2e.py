@@ -255,7 +255,7 @@ def _join(cg: Path) -> Any:
 
 
 def test_cgroup_filter_covers_exactly_the_subtree(cgroup_tree: Any, workloads: Any) -> None:
-    parent, child, grand = cgroup_tree
+    _parent, child, grand = cgroup_tree
     outside = workloads("sleep", "100")
     in_child = workloads("sleep", "100", preexec=_join(child))
     in_grand = workloads("sleep", "100", preexec=_join(grand))

@@ -15,7 +15,7 @@ C_SIZES = {"u64": 8, "s64": 8, "u32": 4, "s32": 4, "u16": 2, "u8": 1, "char": 1}
 
 
 def c_fields(struct: str) -> list[tuple[str, int]]:
-    body = re.search(r"struct %s \{(.*?)\};" % struct, SRC, re.S)
+    body = re.search(rf"struct {struct} \{{(.*?)\}};", SRC, re.S)
     assert body, struct
     out = []
     for line in body.group(1).splitlines():
