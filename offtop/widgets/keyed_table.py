@@ -190,8 +190,9 @@ class KeyedTable(DataTable[RenderableType]):
     # `DataTable.remove_row` re-indexes every row after the removed one, and
     # `update_cell` schedules a refresh per call: with hundreds of rows per
     # tick that is most of the tick. These do the same bookkeeping once per
-    # batch. They touch DataTable's private state (Textual is pinned < 9; the
-    # UI tests exercise both), and fall back to the public calls if it moved.
+    # batch. They touch DataTable's private state (Textual is pinned < 9),
+    # and fall back to the public calls if it moved; tests/test_ui_widgets.py
+    # checks both paths give the same table.
 
     def update_cells(self, changes: Sequence[tuple[str, str, RenderableType]]) -> None:
         """`update_cell` for many cells (no width update), with one refresh."""
@@ -199,31 +200,38 @@ class KeyedTable(DataTable[RenderableType]):
             return
         try:
             data = self._data
-            for row, column, value in changes:
-                data[RowKey(row)][ColumnKey(column)] = value
-        except (AttributeError, KeyError):
+            targets = [(data[RowKey(row)], ColumnKey(column), value)
+                       for row, column, value in changes]
+        except (AttributeError, KeyError, TypeError):
             for row, column, value in changes:
                 self.update_cell(row, column, value)
             return
+        for cells, column_key, value in targets:
+            cells[column_key] = value
         self._update_count += 1
         self.refresh()
 
     def remove_rows(self, keys: Sequence[str]) -> None:
         """`remove_row` for many rows, re-indexing once."""
-        gone = {RowKey(k) for k in keys}
         try:
+            # Everything that can fail is read or built before anything changes.
+            gone = {RowKey(k) for k in keys}
+            rows, data = self.rows, self._data
+            updated = {c for c in self._updated_cells if c.row_key not in gone}
+            new_rows = self._new_rows - gone
             remaining = [RowKey(k) for k in self._order if RowKey(k) not in gone]
-            for row_key in gone:
-                del self.rows[row_key]
-                del self._data[row_key]
-            self._updated_cells = {c for c in self._updated_cells if c.row_key not in gone}
-            self._new_rows -= gone
-            self._row_locations = TwoWayDict({k: i for i, k in enumerate(remaining)})
-        except (AttributeError, KeyError):
+            locations = TwoWayDict({k: i for i, k in enumerate(remaining)})
+        except (AttributeError, TypeError):
             for key in keys:
                 if key in self.rows:
                     self.remove_row(key)
             return
+        for row_key in gone:
+            rows.pop(row_key, None)
+            data.pop(row_key, None)
+        self._updated_cells = updated
+        self._new_rows = new_rows
+        self._row_locations = locations
         # DataTable re-measures on idle (`_require_update_dimensions`); the
         # virtual size, hence the layout, only changes if the row count does.
         self._require_update_dimensions = True
