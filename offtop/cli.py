@@ -274,8 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 interval = 0.0  # a recording piped elsewhere: no need to wait
             return run_batch(source, args.format, interval, count)
         from offtop.app import run_app
+        from offtop.exit_guard import ExitGuard
 
-        return run_app(source, interval_s=interval)
+        # Whatever hangs in the TUI's shutdown, the process (and with it the
+        # probe) goes away half a second after the app was asked to stop.
+        with ExitGuard(source, tty_fd=sys.stdin.fileno()) as guard:
+            return run_app(guard.source, interval_s=interval)
     except (EnvironmentProblem, EngineError) as e:
         return _fail(str(e), EXIT_FAILURE)
     except BrokenPipeError:

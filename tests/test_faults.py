@@ -7,6 +7,7 @@ long-running version of these (a 30-minute soak) is `bench/soak.py`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -546,6 +547,8 @@ class Tmux:
         self.sock = f"offtop-test-{uuid.uuid4().hex[:8]}"
         self.run("new-session", "-d", "-s", "t", "-x", "120", "-y", "40", "sh")
         self.run("set-option", "-t", "t", "remain-on-exit", "off")
+        # Type nothing before the shell is reading: wait for its prompt.
+        assert wait_until(lambda: self.screen().strip() != "", timeout=10), "no shell prompt"
 
     def run(self, *args: str) -> str:
         r = subprocess.run(["tmux", "-L", self.sock, *args], capture_output=True, text=True,
@@ -565,6 +568,23 @@ class Tmux:
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.sock, "kill-server"], capture_output=True)
+
+
+def _assert_screen_keeps_refreshing(tmux: Tmux, interval: float, seconds: float) -> None:
+    """The header's snapshot number (#N) must move at least every two intervals."""
+    changes: list[float] = []
+    last = None
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        m = re.search(r" #(\d+) ", tmux.screen().split("\n", 1)[0])
+        if m and m.group(1) != last:
+            last = m.group(1)
+            changes.append(time.monotonic())
+        time.sleep(0.1)
+    changes.append(time.monotonic())
+    gaps = [b - a for a, b in itertools.pairwise(changes)]
+    assert len(changes) >= 4 and max(gaps) <= 2 * interval + 0.25, (
+        f"screen stalled: updates at gaps {[round(g, 2) for g in gaps]}")
 
 
 def _children(pid: int) -> list[int]:
@@ -587,30 +607,54 @@ def _prog_ids(pid: int) -> set[int]:
 
 
 @pytest.mark.bpf
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP", "q", "terminal-closed"])
+@pytest.mark.parametrize(("how", "flood"), [
+    ("SIGTERM", False), ("SIGHUP", False), ("q", False), ("terminal-closed", False),
+    ("SIGCONT-then-terminal-closed", False),
+    ("q", True), ("SIGTERM", True), ("terminal-closed", True),
+    ("SIGCONT-then-terminal-closed", True),
+], ids=["SIGTERM", "SIGHUP", "q", "terminal-closed", "SIGCONT-then-terminal-closed",
+        "q-under-flood", "SIGTERM-under-flood", "terminal-closed-under-flood",
+        "SIGCONT-then-terminal-closed-under-flood"])
 def test_tui_exits_fast_and_restores_the_terminal(bpf_available: None, workloads: Any,
-                                                  how: str) -> None:
+                                                  how: str, flood: bool) -> None:
     if not (ROOT / "offtop" / "app.py").exists():
         pytest.skip("the TUI (offtop/app.py) is not there yet")
     if shutil.which("tmux") is None:
         pytest.fail("tmux is missing: `make test` installs it")
     w = workloads("sleep", "20")
+    args = f"-p {w.pid} --interval 0.5"
+    if flood:  # every block of every task an event, ~100k switches/s
+        for _ in range(2):
+            workloads("pingrate", "100000000")
+        args = "--threshold 0 --interval 0.5"
     tmux = Tmux()
+    offtop = 0
     try:
-        tmux.type(f"cd {ROOT} && {sys.executable} -m offtop.cli -p {w.pid} --interval 0.5; "
-                  "echo offtop-exit=$?")
+        tmux.type(f"cd {ROOT} && {sys.executable} -m offtop.cli {args}; echo offtop-exit=$?")
         shell = tmux.shell_pid()
         assert wait_until(lambda: bool(_children(shell)), timeout=10), tmux.screen()
         offtop = _children(shell)[0]
         # Running for real: the probe is attached and the screen shows the workload.
         assert wait_until(lambda: bool(_prog_ids(offtop)), timeout=30), tmux.screen()
         progs = _prog_ids(offtop)
-        assert wait_until(lambda: "offtop_workload" in tmux.screen(), timeout=15), tmux.screen()
+        if not flood:
+            assert wait_until(lambda: "offtop_workload" in tmux.screen(), timeout=15), \
+                tmux.screen()
+        else:  # a few seconds of flood on screen, the TUI behind with its output
+            assert wait_until(lambda: re.search(r" #(?:[89]|\d\d+) ", tmux.screen())
+                              is not None, timeout=20), tmux.screen()
 
         t0 = time.monotonic()
         if how == "q":
             tmux.run("send-keys", "-t", "t", "q")
-        elif how == "terminal-closed":
+        elif how.endswith("terminal-closed"):
+            if how.startswith("SIGCONT"):
+                # A SIGCONT with no SIGTSTP before it (as a hang-up can bring)
+                # made Textual start a second output thread, which dies with
+                # the terminal; its full queue then hung the shutdown for good.
+                os.kill(offtop, signal.SIGCONT)
+                time.sleep(0.3)
+                t0 = time.monotonic()
             tmux.close()  # the pane's terminal goes away: SIGHUP to its processes
         else:
             os.kill(offtop, getattr(signal, how))
@@ -621,7 +665,7 @@ def test_tui_exits_fast_and_restores_the_terminal(bpf_available: None, workloads
         assert gone, f"offtop still running 10 s after {how}"
         assert took < 1.0, f"offtop took {took:.2f}s to exit after {how}"
         assert_detached(progs)
-        if how == "terminal-closed":
+        if how.endswith("terminal-closed"):
             return
 
         # The shell got its terminal back, in a sane state.
@@ -640,3 +684,118 @@ def test_tui_exits_fast_and_restores_the_terminal(bpf_available: None, workloads
                         "#{alternate_on}#{mouse_any_flag}").strip() == "00"
     finally:
         tmux.close()
+        if offtop:  # a hung offtop must not outlive the test (its probe stays attached)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(offtop, signal.SIGKILL)
+
+
+@pytest.mark.bpf
+def test_tui_keeps_refreshing_under_flood(bpf_available: None, workloads: Any) -> None:
+    """Threshold 0, ~100k switches/s, default interval: the header's #N moves on time."""
+    if not (ROOT / "offtop" / "app.py").exists():
+        pytest.skip("the TUI (offtop/app.py) is not there yet")
+    for _ in range(2):
+        workloads("pingrate", "100000000")
+    tmux = Tmux()
+    offtop = 0
+    try:
+        tmux.type(f"cd {ROOT} && {sys.executable} -m offtop.cli --threshold 0")
+        shell = tmux.shell_pid()
+        assert wait_until(lambda: bool(_children(shell)), timeout=10), tmux.screen()
+        offtop = _children(shell)[0]
+        assert wait_until(lambda: re.search(r" #[2-9] ", tmux.screen()) is not None,
+                          timeout=20), tmux.screen()
+        _assert_screen_keeps_refreshing(tmux, interval=1.0, seconds=6.0)
+        assert re.search(r"\blost \d", tmux.screen()), "lost events are not shown"
+    finally:
+        tmux.close()
+        if offtop:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(offtop, signal.SIGKILL)
+
+
+# --- the exit guard, unit-tested -------------------------------------------------------------
+
+
+class _IdleSource:
+    info = None
+    threshold_ns = 0
+
+    def start(self) -> None:
+        pass
+
+    def next_snapshot(self, interval_s: float, stop: threading.Event) -> None:
+        return None
+
+    def set_threshold(self, ns: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_exit_guard_ends_a_process_whose_shutdown_hangs() -> None:
+    import pty
+    import termios
+
+    from offtop.exit_guard import ExitGuard
+
+    master, slave = pty.openpty()
+    exits: list[int] = []
+    try:
+        saved = termios.tcgetattr(slave)
+        guard = ExitGuard(_IdleSource(), grace_s=0.2, tty_fd=slave, hard_exit=exits.append,
+                          poll_s=0.01)
+        with guard:
+            stop = threading.Event()
+            guard.source.next_snapshot(1.0, stop)  # the app hands its stop event over
+            raw = termios.tcgetattr(slave)
+            raw[3] &= ~(termios.ICANON | termios.ECHO)  # as a TUI leaves it
+            termios.tcsetattr(slave, termios.TCSANOW, raw)
+            time.sleep(0.3)
+            assert exits == []  # not asked to stop yet: nothing happens
+            t0 = time.monotonic()
+            stop.set()
+            assert wait_until(lambda: exits == [0], timeout=2, step=0.01)
+            assert 0.15 <= time.monotonic() - t0 < 0.6
+            assert guard.fired
+            assert termios.tcgetattr(slave)[3] == saved[3]  # icanon and echo back
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_exit_guard_stays_quiet_when_the_exit_is_normal() -> None:
+    from offtop.exit_guard import ExitGuard
+
+    exits: list[int] = []
+    with ExitGuard(_IdleSource(), grace_s=0.2, hard_exit=exits.append, poll_s=0.01) as guard:
+        stop = threading.Event()
+        guard.source.next_snapshot(1.0, stop)
+        stop.set()
+        time.sleep(0.05)  # the app finishes its shutdown within the grace period
+    time.sleep(0.4)
+    assert exits == [] and not guard.fired
+
+
+def test_exit_guard_acts_at_once_when_the_terminal_hangs_up() -> None:
+    import pty
+
+    from offtop.exit_guard import ExitGuard
+
+    master, slave = pty.openpty()
+    exits: list[int] = []
+    try:
+        with ExitGuard(_IdleSource(), grace_s=5.0, tty_fd=slave, hard_exit=exits.append,
+                       poll_s=0.01):
+            time.sleep(0.1)
+            assert exits == []
+            t0 = time.monotonic()
+            os.close(master)  # the terminal goes away; nobody asked the app to stop
+            master = -1
+            assert wait_until(lambda: exits == [0], timeout=2, step=0.01)
+            assert time.monotonic() - t0 < 0.6
+    finally:
+        if master >= 0:
+            os.close(master)
+        os.close(slave)
