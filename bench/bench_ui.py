@@ -115,7 +115,7 @@ async def bench(
           f"(generated in {gen_s:.1f}s)")
     source = HeldReplay(snaps[:1], realtime=False,
                         info=SourceInfo(host="bench", kernel="-", kind="replay"))
-    app = OfftopApp(source, clock=lambda: 0.0)
+    app = OfftopApp(source, clock=lambda: 0.0, freeze_gc=True)  # as run_app does
     results: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
     async with app.run_test(size=(160, 50)) as pilot:

@@ -197,8 +197,14 @@ class OfftopApp(App[int]):
         *,
         interval_s: float = 1.0,
         clock: Callable[[], float] | None = None,
+        freeze_gc: bool = False,
     ) -> None:
         super().__init__()
+        #: Once the first snapshot is on screen, move everything alive then
+        #: (widgets, styles, caches) out of the cyclic GC's full passes, which
+        #: otherwise stall the UI every few seconds. For the process that owns
+        #: the app (run_app), not for tests that share a process.
+        self.freeze_gc = freeze_gc
         self.source = source
         self.interval_s = interval_s
         self.clock = clock or time.monotonic
@@ -380,6 +386,8 @@ class OfftopApp(App[int]):
                 tasks.loading = False
                 if self.screen.focused is None:
                     tasks.focus()
+                if self.freeze_gc:
+                    self.call_after_refresh(_freeze_gc)
             header = self.query_one(OfftopHeader)
             header.snapshot = snap
             header.behind = 0
@@ -477,7 +485,7 @@ class OfftopApp(App[int]):
             table.show(snap.stacks, scope="all", show_kernel=self.show_kernel,
                        show_user=self.show_user, total_ns=snap.total_offcpu_ns)
             pane.border_title = "All stacks by off-CPU time"
-            shown = min(len(snap.stacks), StackTable.MAX_ROWS)
+            shown = min(len(snap.stacks), StackTable.MAX_ROWS_ALL)
             pane.border_subtitle = f"{shown:,} of {len(snap.stacks):,} stacks"
         else:
             key = self._selected
@@ -487,8 +495,11 @@ class OfftopApp(App[int]):
             title = Text("Stacks of ", end="")
             title.append_text(self._task_title(key))
             pane.border_title = title
+            count = f"{len(stacks):,} stacks"
+            if len(stacks) > StackTable.MAX_ROWS:
+                count = f"top {StackTable.MAX_ROWS} of {count}"
             pane.border_subtitle = (
-                "idle this interval: last seen" if stale else f"{len(stacks):,} stacks"
+                "idle this interval: last seen" if stale else count
             ) + " · Enter: callchain tree · a: all tasks"
         if self.drilled:
             self._refresh_tree(focus=focus)
@@ -799,6 +810,11 @@ class OfftopApp(App[int]):
                                 partial(self.action_set_threshold, ns))
 
 
+def _freeze_gc() -> None:
+    gc.collect()
+    gc.freeze()
+
+
 def run_app(
     source: SnapshotSource,
     *,
@@ -811,12 +827,11 @@ def run_app(
     called with the exception (by default: one line on stderr) and the exit
     code is 1. The caller closes the source.
     """
-    app = OfftopApp(source, interval_s=interval_s)
+    app = OfftopApp(source, interval_s=interval_s, freeze_gc=True)
     # What is loaded by now (Textual, Rich, bcc, ...) lives as long as the
     # process: keep it out of the cyclic GC's full collections, which would
     # otherwise scan it every time and stall the UI for tens of ms.
-    gc.collect()
-    gc.freeze()
+    _freeze_gc()
     app.run()
     if app.source_error is not None:
         if on_error is None:

@@ -454,7 +454,8 @@ async def test_threads_processes_toggle() -> None:
         assert table.row_keys_in_order == [p.key for p in SNAPS[0].processes]
         assert table.cursor_key == f"p{thread.pid}"
         stacks = app.query_one(StackTable)
-        assert stacks.row_count == len(SNAPS[0].stacks_of_process(thread.pid))
+        assert stacks.row_count == min(len(SNAPS[0].stacks_of_process(thread.pid)),
+                                       StackTable.MAX_ROWS)
         await pilot.press("t")
         await pilot.pause()
         assert not app.processes
@@ -469,7 +470,7 @@ async def test_all_stacks_view() -> None:
         await pilot.pause()
         stacks = app.query_one(StackTable)
         assert stacks.scope == "all"
-        assert stacks.row_count == min(len(SNAPS[0].stacks), StackTable.MAX_ROWS)
+        assert stacks.row_count == min(len(SNAPS[0].stacks), StackTable.MAX_ROWS_ALL)
         tids = {s.tid for s in map(stacks.stack_by_key, stacks.row_keys_in_order) if s}
         assert len(tids) > 1
         stacks.focus()

@@ -12,6 +12,7 @@ shows changes; turning them into `Text` is left to `render_cell`, cached by
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
 
@@ -54,6 +55,13 @@ class KeyedTable(DataTable[RenderableType]):
         self._column_keys: list[str] = []
         self._rendered: dict[tuple[str, Hashable], RenderableType] = {}
         self._lines_cache: dict[tuple[Any, ...], tuple[object, SegmentLines]] = {}
+        # `_render_cell` below caches cells itself, and DataTable's line caches
+        # are keyed on its update counter, which moves every tick: smaller
+        # caches mean fewer live objects for the garbage collector to scan.
+        for cache, size in (("_cell_render_cache", 500), ("_row_render_cache", 300),
+                            ("_line_cache", 300)):
+            with contextlib.suppress(AttributeError):
+                getattr(self, cache).maxsize = size
 
     # --- for subclasses -------------------------------------------------
 
@@ -85,7 +93,7 @@ class KeyedTable(DataTable[RenderableType]):
         key = (column, value)
         cell = self._rendered.get(key)
         if cell is None:
-            if len(self._rendered) > 4_000:
+            if len(self._rendered) > 2_000:
                 self._rendered.clear()
             cell = self._rendered[key] = self.render_cell(column, value)
         return cell
@@ -274,7 +282,7 @@ class KeyedTable(DataTable[RenderableType]):
         if hit is not None and hit[0] is cell:
             return hit[1]
         lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-        if len(self._lines_cache) > 3_000:
+        if len(self._lines_cache) > 2_000:
             self._lines_cache.clear()
         # The cell is kept with its lines: its id cannot be reused while cached.
         self._lines_cache[key] = (cell, lines)

@@ -38,8 +38,10 @@ class StackTable(KeyedTable):
                 tooltip="Show / hide user frames", id="stacks.user"),
     ]
 
-    #: Rows shown at most (the pane shows a screenful; the tree has them all).
-    MAX_ROWS: ClassVar[int] = 100
+    #: Rows shown at most (the pane shows a screenful; the tree has them all):
+    #: of one task, and of all tasks together.
+    MAX_ROWS: ClassVar[int] = 60
+    MAX_ROWS_ALL: ClassVar[int] = 100
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
@@ -89,12 +91,12 @@ class StackTable(KeyedTable):
         show_user: bool,
         total_ns: int | None = None,
     ) -> None:
-        """Display `stacks` (already ranked), the top `MAX_ROWS` of them."""
+        """Display `stacks` (already ranked), the top `MAX_ROWS` (`MAX_ROWS_ALL`) of them."""
         redefine = scope != self.scope
         self.scope = scope
         self.show_kernel = show_kernel
         self.show_user = show_user
-        self._stacks = stacks[: self.MAX_ROWS]
+        self._stacks = stacks[: self.MAX_ROWS_ALL if scope == "all" else self.MAX_ROWS]
         self._total_ns = total_ns if total_ns is not None else sum(s.offcpu_ns for s in stacks)
         if redefine:
             self._define_columns()
