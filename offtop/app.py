@@ -579,16 +579,18 @@ class OfftopApp(App[int]):
             self._refresh_stacks()
 
     def watch_show_kernel(self, show: bool) -> None:
+        if not (show or self.show_user):
+            self.show_user = True  # hiding both would leave nothing: bring the other back
+            return  # (its watcher refreshes)
         self._frames_changed()
 
     def watch_show_user(self, show: bool) -> None:
+        if not (show or self.show_kernel):
+            self.show_kernel = True
+            return
         self._frames_changed()
 
     def _frames_changed(self) -> None:
-        if not (self.show_kernel or self.show_user):
-            # Hiding both would leave nothing to show: bring the other back.
-            self.show_user = True
-            return
         self._refresh_stacks()
         if self.snapshot is not None:
             self.query_one(BlockedNowTable).show(
@@ -759,8 +761,11 @@ class OfftopApp(App[int]):
             self.query_one(TaskTable).focus()
         elif self.drilled:
             self.drilled = False
-            focus = self.query_one(TaskTable) if self.all_stacks is False else None
-            (focus or self.query_one(StackTable)).focus()
+            # Back where the drill started: the stacks of all tasks, or the task table.
+            if self.all_stacks:
+                self.query_one(StackTable).focus()
+            else:
+                self.query_one(TaskTable).focus()
         elif self.has_class("-filtering"):
             self._close_filter()
             self.query_one(TaskTable).focus()

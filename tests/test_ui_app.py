@@ -317,6 +317,8 @@ async def test_frame_toggles() -> None:
         assert app.show_user
         await pilot.press("u")  # in the task table, u is not a frame toggle
         assert app.show_user
+        await pilot.press("K", "U")  # hiding both brings the other back
+        assert app.show_kernel and not app.show_user
 
 
 async def test_pause_freezes_the_display() -> None:
