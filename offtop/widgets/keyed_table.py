@@ -22,8 +22,9 @@ from rich.style import Style
 from rich.text import Text
 from textual._two_way_dict import TwoWayDict
 from textual.binding import Binding, BindingType
+from textual.cache import LRUCache
 from textual.widgets import DataTable
-from textual.widgets.data_table import CellDoesNotExist, ColumnKey, RowKey
+from textual.widgets.data_table import CellDoesNotExist, ColumnKey, Row, RowKey
 
 #: Rendered lines of a cell, as DataTable keeps them.
 SegmentLines = list[list[Segment]]
@@ -53,8 +54,9 @@ class KeyedTable(DataTable[RenderableType]):
         self._raw: dict[str, tuple[Hashable, ...]] = {}
         self._order: list[str] = []
         self._column_keys: list[str] = []
-        self._rendered: dict[tuple[str, Hashable], RenderableType] = {}
-        self._lines_cache: dict[tuple[Any, ...], tuple[object, SegmentLines]] = {}
+        self._rendered: LRUCache[tuple[str, Hashable], RenderableType] = LRUCache(4_000)
+        self._lines_cache: LRUCache[tuple[Any, ...], tuple[object, SegmentLines]] = LRUCache(
+            2_000)
         # `_render_cell` below caches cells itself, and DataTable's line caches
         # are keyed on its update counter, which moves every tick: smaller
         # caches mean fewer live objects for the garbage collector to scan.
@@ -93,9 +95,8 @@ class KeyedTable(DataTable[RenderableType]):
         key = (column, value)
         cell = self._rendered.get(key)
         if cell is None:
-            if len(self._rendered) > 2_000:
-                self._rendered.clear()
-            cell = self._rendered[key] = self.render_cell(column, value)
+            cell = self.render_cell(column, value)
+            self._rendered.set(key, cell)
         return cell
 
     def refresh_cells(self) -> None:
@@ -159,35 +160,39 @@ class KeyedTable(DataTable[RenderableType]):
     def _rebuild(self, rows: Sequence[KeyedRow]) -> None:
         self.clear()
         self._raw.clear()
-        for key, raw in rows:
-            self._add(key, raw)
+        self._add_rows(rows)
         self._order = [key for key, _ in rows]
 
-    def _add(self, key: str, raw: tuple[Hashable, ...]) -> None:
-        cells = [self._cell(c, v) for c, v in zip(self._column_keys, raw, strict=True)]
-        self.add_row(*cells, key=key, height=self.ROW_HEIGHT)
-        self._raw[key] = raw
+    def _add_rows(self, rows: Sequence[KeyedRow]) -> None:
+        """Append rows at the bottom (`_sort_to` puts them in place)."""
+        columns = self._column_keys
+        self.add_rows_batch([
+            (key, [self._cell(c, v) for c, v in zip(columns, raw, strict=True)])
+            for key, raw in rows
+        ])
+        for key, raw in rows:
+            self._raw[key] = raw
 
     def _diff(self, rows: Sequence[KeyedRow], stale: list[str], wanted: set[str]) -> None:
         if stale:
             self.remove_rows(stale)
             for key in stale:
                 del self._raw[key]
-        added: list[str] = []
+        new: list[KeyedRow] = []
         columns = self._column_keys
         changes: list[tuple[str, str, RenderableType]] = []
         for key, raw in rows:
             old = self._raw.get(key)
             if old is None:
-                self._add(key, raw)
-                added.append(key)
+                new.append((key, raw))
             elif old != raw:
                 for column, new_value, old_value in zip(columns, raw, old, strict=True):
                     if new_value != old_value:
                         changes.append((key, column, self._cell(column, new_value)))
                 self._raw[key] = raw
         self.update_cells(changes)
-        now = [key for key in self._order if key in wanted] + added
+        self._add_rows(new)
+        now = [key for key in self._order if key in wanted] + [key for key, _ in new]
         want = [key for key, _ in rows]
         if now != want:
             self._sort_to(want)
@@ -218,6 +223,34 @@ class KeyedTable(DataTable[RenderableType]):
             cells[column_key] = value
         self._update_count += 1
         self.refresh()
+
+    def add_rows_batch(self, rows: Sequence[tuple[str, Sequence[RenderableType]]]) -> None:
+        """`add_row` for many rows (fixed height, no label), with one refresh."""
+        if not rows:
+            return
+        height = self.ROW_HEIGHT
+        try:
+            columns = [column.key for column in self.ordered_columns]
+            locations, data, meta = self._row_locations, self._data, self.rows
+            start = self.row_count
+            entries = [(RowKey(key), cells) for key, cells in rows]
+            if any(row_key in locations for row_key, _ in entries):
+                raise ValueError("duplicate row key")
+        except (AttributeError, TypeError, ValueError):
+            for key, cells in rows:
+                self.add_row(*cells, key=key, height=height)
+            return
+        for i, (row_key, cells) in enumerate(entries):
+            locations[row_key] = start + i
+            data[row_key] = dict(zip(columns, cells, strict=True))
+            meta[row_key] = Row(row_key, height)
+        self._require_update_dimensions = True
+        self._update_count += 1
+        self.cursor_coordinate = self.cursor_coordinate
+        if start == 0 and self.show_cursor and self.cursor_type != "none":
+            self._highlight_cursor()  # a row under the cursor appeared
+        self.refresh()
+        self.check_idle()
 
     def remove_rows(self, keys: Sequence[str]) -> None:
         """`remove_row` for many rows, re-indexing once."""
@@ -282,10 +315,8 @@ class KeyedTable(DataTable[RenderableType]):
         if hit is not None and hit[0] is cell:
             return hit[1]
         lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-        if len(self._lines_cache) > 2_000:
-            self._lines_cache.clear()
         # The cell is kept with its lines: its id cannot be reused while cached.
-        self._lines_cache[key] = (cell, lines)
+        self._lines_cache.set(key, (cell, lines))
         return lines
 
     def _sort_to(self, order: list[str]) -> None:
