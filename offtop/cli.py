@@ -7,12 +7,13 @@ cannot run offtop ends with one line and status 1; never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn, TextIO
@@ -224,7 +225,10 @@ def run_batch(source: SnapshotSource, fmt: str, interval_s: float, count: int | 
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    source.start()
+    with _exit_at_once_on_signal():
+        source.start()
+    if stop.is_set():
+        return EXIT_OK
     n = 0
     while not stop.is_set():
         snap = source.next_snapshot(interval_s, stop)
@@ -239,6 +243,43 @@ def run_batch(source: SnapshotSource, fmt: str, interval_s: float, count: int | 
     if last is not None and (last.tasks or last.long_blocks):
         _emit(last, fmt, out)
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _exit_at_once_on_signal() -> Iterator[None]:
+    """While bcc compiles and loads (seconds, in C), a signal ends the process at once.
+
+    Python runs signal handlers only between bytecodes of the main thread,
+    so a Ctrl-C during BPF() would wait for the compiler. The C-level
+    handler writes to the wakeup fd at once, though; a thread reading it
+    exits the process, which closes every fd: anything half attached goes
+    with them. Nothing has been printed yet, so nothing is lost.
+    """
+    rfd, wfd = os.pipe()
+    os.set_blocking(wfd, False)
+    done = threading.Event()
+
+    def watch() -> None:
+        while True:
+            try:
+                data = os.read(rfd, 64)
+            except OSError:
+                return
+            if not data or done.is_set():
+                return
+            os._exit(EXIT_OK)
+
+    old = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+    watcher = threading.Thread(target=watch, name="offtop-start-signals", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(old)
+        os.close(wfd)  # the watcher reads EOF and returns
+        watcher.join(timeout=1.0)
+        os.close(rfd)
 
 
 def _fail(msg: str, code: int) -> int:

@@ -587,6 +587,11 @@ def _assert_screen_keeps_refreshing(tmux: Tmux, interval: float, seconds: float)
         f"screen stalled: updates at gaps {[round(g, 2) for g in gaps]}")
 
 
+def _shell_saw_exit(tmux: Tmux) -> bool:
+    """The shell printed offtop's exit status (not just the typed command line)."""
+    return re.search(r"offtop-exit=\d", tmux.screen()) is not None
+
+
 def _children(pid: int) -> list[int]:
     out = []
     with contextlib.suppress(OSError):
@@ -669,7 +674,7 @@ def test_tui_exits_fast_and_restores_the_terminal(bpf_available: None, workloads
             return
 
         # The shell got its terminal back, in a sane state.
-        assert wait_until(lambda: "offtop-exit=" in tmux.screen(), timeout=5), tmux.screen()
+        assert wait_until(lambda: _shell_saw_exit(tmux), timeout=5), tmux.screen()
         assert "offtop-exit=0" in tmux.screen(), tmux.screen()
         tmux.type("stty -a | tr '\\n' ' '; echo; echo ok-$((1+1))")
         assert wait_until(lambda: "ok-2" in tmux.screen(), timeout=5), tmux.screen()
@@ -799,3 +804,57 @@ def test_exit_guard_acts_at_once_when_the_terminal_hangs_up() -> None:
         if master >= 0:
             os.close(master)
         os.close(slave)
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("after_s", [0.3, 0.5, 0.8])
+def test_batch_signal_during_startup_exits_at_once(bpf_available: None, after_s: float) -> None:
+    """A signal while bcc compiles (seconds, in C) must not wait for the compiler."""
+    p = subprocess.Popen([sys.executable, "-m", "offtop.cli", "--batch", "--format", "json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    time.sleep(after_s)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    try:
+        out, err = p.communicate(timeout=10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    took = time.monotonic() - t0
+    assert took < 1.0, f"{took:.2f}s to exit after SIGINT at {after_s}s"
+    assert p.returncode == 0, err
+    assert "Traceback" not in err and err == "", err
+    for line in out.splitlines():  # at most a partial interval, whole lines
+        json.loads(line)
+
+
+@pytest.mark.bpf
+def test_tui_survives_tiny_and_changing_terminals(bpf_available: None, workloads: Any) -> None:
+    """Shrink the terminal far below 80x24 and back while offtop runs: no crash, clean exit."""
+    if not (ROOT / "offtop" / "app.py").exists():
+        pytest.skip("the TUI (offtop/app.py) is not there yet")
+    w = workloads("sleep", "20")
+    tmux = Tmux()
+    offtop = 0
+    try:
+        tmux.run("set-option", "-t", "t", "window-size", "manual")
+        tmux.type(f"cd {ROOT} && {sys.executable} -m offtop.cli -p {w.pid} --interval 0.5; "
+                  "echo offtop-exit=$?")
+        shell = tmux.shell_pid()
+        assert wait_until(lambda: bool(_children(shell)), timeout=10), tmux.screen()
+        offtop = _children(shell)[0]
+        assert wait_until(lambda: "offtop_workload" in tmux.screen(), timeout=30), tmux.screen()
+        for cols, rows in [(79, 23), (60, 15), (40, 10), (20, 5), (10, 3), (200, 60), (80, 24)]:
+            tmux.run("resize-window", "-t", "t", "-x", str(cols), "-y", str(rows))
+            time.sleep(0.6)  # a refresh or two at this size
+            assert Path(f"/proc/{offtop}").exists(), f"offtop died at {cols}x{rows}"
+        assert wait_until(lambda: "offtop_workload" in tmux.screen(), timeout=5), tmux.screen()
+        tmux.run("send-keys", "-t", "t", "q")
+        assert wait_until(lambda: _shell_saw_exit(tmux), timeout=5), tmux.screen()
+        screen = tmux.screen()
+        assert "offtop-exit=0" in screen and "Traceback" not in screen, screen
+    finally:
+        tmux.close()
+        if offtop:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(offtop, signal.SIGKILL)
