@@ -1,0 +1,1058 @@
+#!/usr/bin/env python3
+"""offtop's benchmarks: what offtop costs, measured side by side in one run.
+
+    make bench                            every benchmark, full length (root, ~20 min)
+    make bench ARGS="--quick"             fewer and shorter runs (~7 min)
+    make bench ARGS="switch throughput"   only these benchmarks
+    .venv/bin/python bench/run.py --long 30 memory     the 30-minute memory run
+
+Benchmarks: switch (added cost per context switch), throughput (events/s at
+threshold 0), cpu (offtop's own CPU), startup, memory, ui. bench/README.md
+says what each one measures. These machines are shared and noisy, so every
+comparison runs its configurations alternately, round after round, in one
+run, and reports medians with min-max. The latest figures are kept in
+bench/results.json and written as a table into bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+OUT = BENCH / "out"  # build products and logs (git-ignored)
+RESULTS = BENCH / "results.json"
+README = BENCH / "README.md"
+PY = sys.executable
+TRACER_CPU = "0"  # offtop, bpftrace, the empty probe
+WORKLOAD_CPU = "1"  # the measured workload
+BENCHMARKS = ("switch", "throughput", "cpu", "startup", "memory", "ui")
+# Typography for the README, spelled as escapes (ruff flags look-alike characters).
+TIMES, DASH, LE, GE, MICRO = "\u00d7", "\u2013", "\u2264", "\u2265", "\u00b5"
+TABLE_START = "<!-- figures:start (written by bench/run.py) -->"
+TABLE_END = "<!-- figures:end -->"
+
+
+T = TypeVar("T")
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not run; the message says why."""
+
+
+def say(msg: str) -> None:
+    """Progress, on stderr so stdout stays the figures."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- statistics ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Repeated measurements of one quantity: median and range."""
+
+    values: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else float("nan")
+
+    @property
+    def lo(self) -> float:
+        return min(self.values) if self.values else float("nan")
+
+    @property
+    def hi(self) -> float:
+        return max(self.values) if self.values else float("nan")
+
+    def fmt(self, scale: float = 1.0, digits: int = 0, unit: str = "") -> str:
+        """'median (min-max) unit', values divided by `scale`."""
+        m, lo, hi = (v / scale for v in (self.median, self.lo, self.hi))
+        return f"{m:.{digits}f} ({lo:.{digits}f}{DASH}{hi:.{digits}f}){unit}"
+
+    def json(self) -> dict[str, Any]:
+        return {"median": self.median, "min": self.lo, "max": self.hi, "n": len(self.values)}
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("inf")
+
+
+# --- building the workloads ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tools:
+    """Everything the benchmarks run, built or found."""
+
+    workload: Path  # tests/workloads/offtop_workload.c, as bench_wl
+    pacer: Path  # bench/workloads/pacer.c
+    bpftrace: str | None
+    quiet: Quiet = field(default_factory=lambda: Quiet())
+
+
+def compile_c(src: Path, out: Path) -> Path:
+    """gcc with frame pointers, as tests/conftest.py builds its workloads."""
+    if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
+        return out
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise BenchError("no C compiler: `make bench` installs gcc")
+
+    subprocess.run([cc, "-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-o", str(out), str(src)],
+                   check=True)
+    return out
+
+
+def build() -> Tools:
+    """Compile the workloads into bench/out/ (only when their source changed)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    if shutil.which("bpftool") is None:
+        raise BenchError("no bpftool (to see other people's probes): `make bench` installs it")
+    return Tools(
+        workload=compile_c(ROOT / "tests" / "workloads" / "offtop_workload.c", OUT / "bench_wl"),
+        pacer=compile_c(BENCH / "workloads" / "pacer.c", OUT / "bench_pacer"),
+        bpftrace=shutil.which("bpftrace"),
+    )
+
+
+# --- processes ---------------------------------------------------------------
+
+
+class Background:
+    """A process in its own session; its stdout read line by line in a thread.
+
+    Keeps the last `keep` lines (all when None); stderr goes to bench/out/NAME.stderr.
+    """
+
+    def __init__(self, argv: Sequence[str], name: str, *, keep: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.lines: list[str] = []
+        self.nlines = 0
+        self.first_line_at: float | None = None
+        self._keep = keep
+        self._cv = threading.Condition()
+        self._err_path = OUT / f"{name}.stderr"
+        self._err = self._err_path.open("w")
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=self._err, text=True, cwd=ROOT,
+            start_new_session=True, env={**os.environ, **(env or {})},
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cv:
+                if self.first_line_at is None:
+                    self.first_line_at = time.monotonic()
+                self.lines.append(line)
+                self.nlines += 1
+                if self._keep is not None and len(self.lines) > self._keep:
+                    del self.lines[: len(self.lines) - self._keep]
+                self._cv.notify_all()
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait_for(self, pred: Callable[[str], bool], timeout: float = 30.0) -> str:
+        """Wait for a stdout line matching `pred`; raise if the process dies first."""
+        end = time.monotonic() + timeout
+        seen = 0
+        with self._cv:
+            while True:
+                for line in self.lines[seen:]:
+                    if pred(line):
+                        return line
+                seen = len(self.lines)
+                if self.proc.poll() is not None and not self._reader.is_alive():
+                    raise BenchError(f"{self.name} exited ({self.proc.returncode}): {self.stderr_tail()}")
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise BenchError(f"{self.name} not ready after {timeout:.0f}s: {self.stderr_tail()}")
+                self._cv.wait(min(left, 0.2))
+
+    def stderr_tail(self) -> str:
+        self._err.flush()
+        try:
+            text = self._err_path.read_text().strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(text[-3:])
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 20.0) -> None:
+        """Ask the process to finish (SIGINT: offtop prints its last interval), then kill its group."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                say(f"  {self.name} ignored {signal.Signals(sig).name}: killing it")
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(5)
+        self._reader.join(5)
+        self._err.close()
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of a process (all threads), in clock ticks."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# --- other people's probes ---------------------------------------------------
+
+
+def sched_probes() -> list[tuple[int, str]]:
+    """(pid, what) of every BPF program attached to a sched tracepoint, by anyone.
+
+    Another offtop, bpftrace or perf on the same tracepoint makes every context
+    switch dearer, our baseline included: on a shared machine that is the
+    largest error there is, so runs wait until only our own tracer is there.
+    """
+    out: list[tuple[int, str]] = []
+    r = subprocess.run(["bpftool", "perf", "show", "--json"], capture_output=True, text=True)
+    with contextlib.suppress(ValueError):
+        for p in json.loads(r.stdout or "[]"):
+            tp = p.get("tracepoint", "")
+            if tp.startswith("sched_"):
+                out.append((int(p["pid"]), tp))
+    r = subprocess.run(["bpftool", "link", "show", "--json"], capture_output=True, text=True)
+    with contextlib.suppress(ValueError):
+        for link in json.loads(r.stdout or "[]"):
+            tp = str(link.get("tp_name", ""))
+            if tp.startswith("sched_"):
+                for p in link.get("pids", []) or [{"pid": -1}]:
+                    out.append((int(p["pid"]), tp))
+    return out
+
+
+@dataclass
+class Quiet:
+    """Waits until no one else's probe sits on a sched tracepoint; counts the waits."""
+
+    waits: int = 0
+    waited_s: float = 0.0
+    retries: int = 0
+
+    def foreign(self, own: Background | None) -> list[tuple[int, str]]:
+        mine = {own.proc.pid} if own is not None else set()
+        return [(pid, tp) for pid, tp in sched_probes() if pid not in mine]
+
+    def wait(self, own: Background | None, timeout: float = 900.0) -> None:
+        t0 = time.monotonic()
+        told = False
+        while True:
+            others = self.foreign(own)
+            if not others:
+                break
+            if not told:
+                who = ", ".join(f"pid {pid} ({_comm(pid)}) on {tp}" for pid, tp in others[:3])
+                say(f"  waiting: another probe is attached: {who}")
+                told = True
+                self.waits += 1
+            if time.monotonic() - t0 > timeout:
+                raise BenchError(f"other probes stayed attached for {timeout:.0f}s: cannot measure")
+            time.sleep(0.5)
+        self.waited_s += time.monotonic() - t0
+
+    def measure(self, own: Background | None, run: Callable[[], T], tries: int = 50) -> T:
+        """run() with no foreign probe before or after it (retried if one came and went)."""
+        for _ in range(tries):
+            self.wait(own)
+            value = run()
+            if not self.foreign(own):
+                return value
+            self.retries += 1
+        raise BenchError("other probes kept attaching during the runs: cannot measure")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80].strip()
+    except OSError:
+        return "?"
+
+
+# --- the tracers -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tracer:
+    """One way of tracing sched_switch (or none), started before a workload run."""
+
+    name: str
+    label: str
+    argv: tuple[str, ...] = ()
+    ready: Callable[[str], bool] = lambda line: True
+    is_offtop: bool = False
+
+    def start(self) -> Background | None:
+        if not self.argv:
+            return None
+        bg = Background(["taskset", "-c", TRACER_CPU, *self.argv], self.name)
+        try:
+            bg.wait_for(self.ready, timeout=60)
+        except BaseException:
+            bg.stop()
+            raise
+        return bg
+
+
+def offtop_argv(*args: str, variant: Sequence[str] = ()) -> tuple[str, ...]:
+    base = ["--batch", "--format", "json", "--interval", "1", *args]
+    if variant:
+        return (PY, str(BENCH / "probe_variant.py"), *variant, "--", *base)
+    return (PY, "-m", "offtop.cli", *base)
+
+
+def offtop_tracer(name: str, label: str, *args: str, variant: Sequence[str] = ()) -> Tracer:
+    return Tracer(name, label, offtop_argv(*args, variant=variant), is_offtop=True)
+
+
+def bpftrace_tracer(tools: Tools) -> Tracer:
+    if tools.bpftrace is None:
+        raise BenchError("bpftrace is not installed: `make bench` installs it (Debian package bpftrace)")
+    return Tracer("bpftrace", "bpftrace (bench/offcpu.bt)", (tools.bpftrace, str(BENCH / "offcpu.bt")),
+                  ready=lambda line: line.strip() == "ready")
+
+
+EMPTY_TRACER = Tracer("empty", "empty bcc program (the floor)", (PY, str(BENCH / "empty_probe.py")),
+                      ready=lambda line: line.strip() == "ready")
+NO_TRACER = Tracer("none", "no tracing")
+
+
+@contextlib.contextmanager
+def traced(tracer: Tracer) -> Iterator[Background | None]:
+    bg = tracer.start()
+    try:
+        yield bg
+    finally:
+        if bg is not None:
+            bg.stop()
+
+
+def snapshots(bg: Background | None) -> list[dict[str, Any]]:
+    """offtop's JSON snapshots, parsed."""
+    if bg is None:
+        return []
+    out = []
+    for line in bg.lines:
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def probe_ns_per_switch(snaps: list[dict[str, Any]], min_rate: float) -> float | None:
+    """offtop's own BPF run-time per switch, over the intervals the workload was busy."""
+    busy = [s["stats"] for s in snaps if s["stats"].get("switches_per_s", 0) >= min_rate]
+    runs = sum(s["probe_runs"] for s in busy)
+    return sum(s["probe_run_ns"] for s in busy) / runs if runs else None
+
+
+# --- workloads -------------------------------------------------------------------
+
+
+def pingpong(tools: Tools, rounds: int, *, batch: bool = False) -> float:
+    """One `pingpong` run on the workload CPU: ns per round trip.
+
+    batch: run it as SCHED_BATCH, whose wakeups never preempt, so each side
+    blocks once per round trip (two blocks, not one: the woken side would
+    otherwise preempt the writer, which then finds its reply already there).
+    """
+    sched = ["chrt", "-b", "0"] if batch else []
+    r = subprocess.run(["taskset", "-c", WORKLOAD_CPU, *sched, str(tools.workload), "pingpong", str(rounds)],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise BenchError(f"pingpong failed: {r.stderr.strip()}")
+    return float(r.stdout.split()[-1])
+
+
+@contextlib.contextmanager
+def pacer(tools: Tools, rate: int, churn: int = 0) -> Iterator[Background]:
+    bg = Background(["taskset", "-c", WORKLOAD_CPU, str(tools.pacer), str(rate), str(churn)], "pacer")
+    try:
+        bg.wait_for(lambda line: line.startswith("ready"), timeout=10)
+        yield bg
+    finally:
+        bg.stop(signal.SIGKILL)
+
+
+# --- the context of one run ----------------------------------------------------
+
+
+@dataclass
+class Ctx:
+    """What the command line asked for."""
+
+    tools: Tools
+    quick: bool
+    runs: int
+    long_minutes: float | None
+    variants: list[tuple[str, list[str]]] = field(default_factory=list)
+    configs: list[str] | None = None
+
+
+def rotations(names: Sequence[str], runs: int) -> Iterator[tuple[int, list[str]]]:
+    """Round r runs every configuration once, starting one further along each round."""
+    n = len(names)
+    for r in range(runs):
+        k = r % n
+        yield r, [*names[k:], *names[:k]]
+
+
+# --- 1. added cost per context switch ---------------------------------------------
+
+
+def bench_switch(ctx: Ctx) -> dict[str, Any]:
+    """pingpong pinned to one CPU: round trip with each tracer minus without, over 2."""
+    tools = ctx.tools
+    tracers = [
+        NO_TRACER,
+        offtop_tracer("offtop", "offtop, kernel + user stacks"),
+        offtop_tracer("offtop-user", "offtop, user stacks only", "--no-kernel-stacks"),
+        offtop_tracer("offtop-kernel", "offtop, kernel stacks only", "--no-user-stacks"),
+        offtop_tracer("offtop-nostacks", "offtop, no stacks", "--no-stacks"),
+        bpftrace_tracer(tools),
+        EMPTY_TRACER,
+    ]
+    for name, spec in ctx.variants:
+        own, extra = (spec[:spec.index("--")], spec[spec.index("--") + 1:]) if "--" in spec else (spec, [])
+        tracers.append(offtop_tracer(name, f"variant {name}: {' '.join(spec)}", *extra,
+                                     variant=own or ["--set", "threshold_ns=500000000"]))
+    if ctx.configs:
+        keep = {"none", *ctx.configs, *(name for name, _ in ctx.variants)}
+        tracers = [t for t in tracers if t.name in keep]
+    by_name = {t.name: t for t in tracers}
+    rounds_n = 50_000
+    reps = 3 if ctx.quick else 5
+    rt: dict[str, list[float]] = {t.name: [] for t in tracers}
+    probe: dict[str, list[float]] = {t.name: [] for t in tracers}
+    say(f"switch: {ctx.runs} rounds x {len(tracers)} configurations, pingpong {rounds_n} x {reps}")
+    for r, order in rotations(list(by_name), ctx.runs):
+        for name in order:
+            t = by_name[name]
+            with traced(t) as bg:
+                # Several runs per session; the fastest is the one least disturbed by
+                # other tenants (noise here only ever adds time).
+                rt[name].append(min(tools.quiet.measure(bg, lambda: pingpong(tools, rounds_n))
+                                    for _ in range(reps)))
+                time.sleep(1.1 if t.is_offtop else 0)  # let offtop close the busy interval
+            if t.is_offtop:
+                p = probe_ns_per_switch(snapshots(bg), min_rate=100_000)
+                if p is not None:
+                    probe[name].append(p)
+        say(f"  round {r + 1}: " + "  ".join(f"{n}={rt[n][-1]:.0f}" for n in by_name))
+    added = {n: Dist(tuple((a - b) / 2 for a, b in zip(rt[n], rt["none"], strict=True)))
+             for n in rt if n != "none"}
+    rows = []
+    for t in tracers:
+        rows.append({
+            "name": t.name, "label": t.label, "round_trip_ns": Dist(tuple(rt[t.name])).json(),
+            "added_ns_per_switch": added[t.name].json() if t.name in added else None,
+            "probe_ns_per_switch": Dist(tuple(probe[t.name])).json() if probe[t.name] else None,
+        })
+    result: dict[str, Any] = {"rows": rows, "pingpong_rounds": rounds_n, "reps": reps, "runs": ctx.runs}
+    med = {n: d.median for n, d in added.items()}
+    if "offtop" in med and "bpftrace" in med:
+        result["stacks_vs_bpftrace"] = ratio(med["offtop"], med["bpftrace"])
+    if "offtop-nostacks" in med and "empty" in med:
+        result["nostacks_vs_empty"] = ratio(med["offtop-nostacks"], med["empty"])
+    print("\n1. Added cost per context switch (pingpong pinned to CPU 1; ns per switch = "
+          "(round trip - untraced round trip) / 2)")
+    print(f"   {'configuration':44} {'round trip ns':>24} {'added ns/switch':>24} {'probe ns/switch':>20}")
+    for t in tracers:
+        a = added.get(t.name)
+        p = Dist(tuple(probe[t.name])) if probe[t.name] else None
+        print(f"   {t.label:44} {Dist(tuple(rt[t.name])).fmt():>24} {a.fmt() if a else '':>24} "
+              f"{p.fmt() if p else '':>20}")
+    if "stacks_vs_bpftrace" in result:
+        print(f"   offtop (both stacks) / bpftrace = {result['stacks_vs_bpftrace']:.2f}x  (target <= 0.75x)")
+    if "nostacks_vs_empty" in result:
+        print(f"   offtop (no stacks) / empty program = {result['nostacks_vs_empty']:.2f}x  (target <= 2x)")
+    return result
+
+
+# --- 2. event throughput ------------------------------------------------------------
+
+
+def bench_throughput(ctx: Ctx) -> dict[str, Any]:
+    """pingpong at threshold 0: every block becomes a perf-buffer event."""
+    tools = ctx.tools
+    tracers = [
+        NO_TRACER,
+        offtop_tracer("offtop-t0", "offtop --threshold 0", "--threshold", "0"),
+        offtop_tracer("offtop-t0-nostacks", "offtop --threshold 0 --no-stacks", "--threshold", "0",
+                      "--no-stacks"),
+    ]
+    by_name = {t.name: t for t in tracers}
+    rounds_n = 300_000 if ctx.quick else 600_000
+    rt: dict[str, list[float]] = {n: [] for n in by_name}
+    rate: dict[str, list[float]] = {n: [] for n in by_name}
+    per_trip: dict[str, list[float]] = {n: [] for n in by_name}
+    lost: dict[str, int] = {n: 0 for n in by_name}
+    say(f"throughput: {ctx.runs} rounds x {len(tracers)} configurations, pingpong {rounds_n}")
+    comm = tools.workload.name[:15]
+    for r, order in rotations(list(by_name), ctx.runs):
+        for name in order:
+            t = by_name[name]
+            for _ in range(50):
+                with traced(t) as bg:
+                    tools.quiet.wait(bg)
+                    trip = pingpong(tools, rounds_n, batch=True)
+                    clean = not tools.quiet.foreign(bg)
+                    if bg is not None:
+                        time.sleep(1.1)  # let offtop close the busy interval
+                if clean:
+                    break
+                tools.quiet.retries += 1
+            else:
+                raise BenchError("other probes kept attaching during the runs: cannot measure")
+            rt[name].append(trip)
+            if bg is None:
+                continue
+            snaps = snapshots(bg)
+            ev = sum(task["events"] for s in snaps for task in s["tasks"] if task["comm"] == comm)
+            # Over the workload's own timed loop (two blocks per round trip).
+            rate[name].append(ev / (rounds_n * trip * 1e-9))
+            per_trip[name].append(ev / rounds_n)
+            # Lost: LOST records in the ring, and outputs the kernel refused (ring full).
+            last = snaps[-1]["stats"] if snaps else {}
+            lost[name] += last.get("lost_total", 0) + last.get("drops", {}).get("perf output failed", 0)
+        say(f"  round {r + 1}: " + "  ".join(f"{n}={rt[n][-1]:.0f}" for n in by_name))
+    rows = []
+    print("\n2. Event throughput (pingpong as SCHED_BATCH pinned to CPU 1; offtop --threshold 0: "
+          "one event per block)")
+    print(f"   {'configuration':36} {'round trip ns':>22} {'workload events/s':>26} {'ev/trip':>8} "
+          f"{'lost':>6} {'slowdown':>20}")
+    for n, t in by_name.items():
+        slow = Dist(tuple(a / b for a, b in zip(rt[n], rt["none"], strict=True)))
+        row = {"name": n, "label": t.label, "round_trip_ns": Dist(tuple(rt[n])).json(),
+               "slowdown": slow.json()}
+        if n != "none":
+            row |= {"events_per_s": Dist(tuple(rate[n])).json(),
+                    "events_per_trip": Dist(tuple(per_trip[n])).json(), "lost": lost[n]}
+            print(f"   {t.label:36} {Dist(tuple(rt[n])).fmt():>22} {Dist(tuple(rate[n])).fmt():>26} "
+                  f"{Dist(tuple(per_trip[n])).median:8.3f} {lost[n]:6d} {slow.fmt(digits=2, unit='x'):>20}")
+        else:
+            print(f"   {t.label:36} {Dist(tuple(rt[n])).fmt():>22}")
+        rows.append(row)
+    return {"rows": rows, "pingpong_rounds": rounds_n, "runs": ctx.runs}
+
+
+# --- 3. offtop's own CPU ------------------------------------------------------------------
+
+
+def tui_available() -> bool:
+    return (ROOT / "offtop" / "app.py").exists() and shutil.which("tmux") is not None
+
+
+class TuiSession:
+    """offtop's TUI in a detached tmux session, as a user would run it."""
+
+    def __init__(self, args: Sequence[str]) -> None:
+        self.name = f"offtop-bench-{os.getpid()}"
+        cmd = " ".join(["exec", "taskset", "-c", TRACER_CPU, PY, "-m", "offtop.cli", *args])
+        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "160", "-y", "50",
+                        f"cd {ROOT} && {cmd}"], check=True)
+        out = subprocess.run(["tmux", "list-panes", "-t", self.name, "-F", "#{pane_pid}"],
+                             capture_output=True, text=True, check=True)
+        self.pid = int(out.stdout.split()[0])
+
+    def alive(self) -> bool:
+        return Path(f"/proc/{self.pid}").exists()
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGINT)
+        end = time.monotonic() + 10
+        while self.alive() and time.monotonic() < end:
+            time.sleep(0.1)
+        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def measure_cpu(pid: int, seconds: float) -> float:
+    """% of one core used by `pid` (utime+stime) over `seconds`."""
+    t0, c0 = time.monotonic(), cpu_ticks(pid)
+    time.sleep(seconds)
+    t1, c1 = time.monotonic(), cpu_ticks(pid)
+    return 100.0 * (c1 - c0) / CLK_TCK / (t1 - t0)
+
+
+def bench_cpu(ctx: Ctx) -> dict[str, Any]:
+    """offtop's utime+stime at 1 s refresh while a paced workload makes ~50k switches/s."""
+    seconds = 10.0 if ctx.quick else 15.0
+    modes = ["batch", *(["tui"] if tui_available() else [])]
+    if "tui" not in modes:
+        say("cpu: offtop/app.py (the TUI) is not there yet: batch mode only")
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    probe_pct: list[float] = []
+    switches: list[float] = []
+    say(f"cpu: {ctx.runs} rounds x {modes}, {seconds:.0f}s each, pacer at 50k switches/s")
+    with pacer(ctx.tools, 50_000):
+        for r, order in rotations(modes, ctx.runs):
+            for mode in order:
+                if mode == "batch":
+                    bg = Background(["taskset", "-c", TRACER_CPU, *offtop_argv()], "offtop-cpu", keep=50)
+                    try:
+                        bg.wait_for(lambda line: True, timeout=60)
+                        time.sleep(1.0)
+                        cpu[mode].append(measure_cpu(bg.proc.pid, seconds))
+                    finally:
+                        bg.stop()
+                    stats = [s["stats"] for s in snapshots(bg)[1:]]
+                    switches.extend(s["switches_per_s"] for s in stats)
+                    probe_pct.extend(s["probe_cpu_pct"] for s in stats)
+                else:
+                    tui = TuiSession(["--interval", "1"])
+                    try:
+                        time.sleep(4.0)  # compile and first paint
+                        if not tui.alive():
+                            raise BenchError("the TUI exited at start (run it by hand to see why)")
+                        cpu[mode].append(measure_cpu(tui.pid, seconds))
+                    finally:
+                        tui.stop()
+            say(f"  round {r + 1}: " + "  ".join(f"{m}={cpu[m][-1]:.2f}%" for m in modes))
+    print("\n3. offtop's own CPU (utime+stime, % of one core, 1 s refresh, pacer at ~50k switches/s)")
+    sw = Dist(tuple(switches))
+    print(f"   switches/s seen by offtop: {sw.fmt()}")
+    out: dict[str, Any] = {"runs": ctx.runs, "seconds": seconds, "switches_per_s": sw.json()}
+    for m in modes:
+        d = Dist(tuple(cpu[m]))
+        print(f"   {m:6} {d.fmt(digits=2, unit=' %'):>24}   (target < 3 %)")
+        out[m] = d.json()
+    pp = Dist(tuple(probe_pct))
+    print(f"   the BPF probe itself (charged to the switching tasks, not to offtop): {pp.fmt(digits=2)} %")
+    out["probe_cpu_pct"] = pp.json()
+    return out
+
+
+# --- 4. start-up ----------------------------------------------------------------
+
+
+PHASES = (
+    ("interpreter", "Python start-up"),
+    ("import", "import offtop"),
+    ("environment", "environment checks"),
+    ("bcc_import", "import bcc"),
+    ("compile_load", "bcc compile + load + attach"),
+    ("start", "maps, perf ring, symbols"),
+    ("first_snapshot", "first interval"),
+)
+
+
+def bench_startup(ctx: Ctx) -> dict[str, Any]:
+    """Launch to the first JSON line of --count 1, alternating with a phase-timed run."""
+    plain: list[float] = []
+    timed: list[float] = []
+    phases: dict[str, list[float]] = {k: [] for k, _ in PHASES}
+    args = ["--batch", "--format", "json", "--count", "1"]
+    say(f"startup: {ctx.runs} rounds x (plain, phase-timed)")
+    for r, order in rotations(["plain", "timed"], ctx.runs):
+        for which in order:
+            argv = [PY, "-m", "offtop.cli", *args] if which == "plain" else \
+                [PY, str(BENCH / "startup_breakdown.py"), *args]
+            t0 = time.monotonic()
+            bg = Background(["taskset", "-c", TRACER_CPU, *argv], f"startup-{which}",
+                            env={"OFFTOP_BENCH_T0": repr(t0)})
+            bg.wait_for(lambda line: True, timeout=60)
+            assert bg.first_line_at is not None
+            first = bg.first_line_at - t0
+            bg.proc.wait(30)
+            bg.stop()
+            if which == "plain":
+                plain.append(first)
+            else:
+                timed.append(first)
+                text = (OUT / "startup-timed.stderr").read_text().strip().splitlines()
+                marks = json.loads(text[-1])
+                prev = 0.0
+                for k, _ in PHASES:
+                    at = marks.get(k, prev)
+                    phases[k].append(at - prev)
+                    prev = at
+        say(f"  round {r + 1}: plain={plain[-1]:.3f}s timed={timed[-1]:.3f}s")
+    first_interval = _first_interval_s()
+    print("\n4. Start-up: launch to the first JSON line of `offtop --batch --format json --count 1`")
+    d = Dist(tuple(plain))
+    print(f"   launch to first snapshot: {d.fmt(digits=3, unit=' s')}   (target <= 1.5 s)")
+    print(f"   breakdown (phase-timed runs, medians; first interval is {first_interval} s):")
+    for k, label in PHASES:
+        print(f"     {label:30} {Dist(tuple(phases[k])).fmt(scale=1e-3, unit=' ms')}")
+    return {"runs": ctx.runs, "first_snapshot_s": d.json(),
+            "timed_first_snapshot_s": Dist(tuple(timed)).json(),
+            "phases_s": {k: Dist(tuple(v)).json() for k, v in phases.items()},
+            "first_interval_s": first_interval}
+
+
+def _first_interval_s() -> float | None:
+    """EngineConfig.first_interval_s, if the engine has one (None: a full interval)."""
+    r = subprocess.run([PY, "-c", "from offtop.bpf.engine import EngineConfig as C; "
+                        "print(getattr(C(), 'first_interval_s', None))"],
+                       capture_output=True, text=True, cwd=ROOT)
+    text = r.stdout.strip()
+    return None if text in ("", "None") else float(text)
+
+
+# --- 5. memory --------------------------------------------------------------------
+
+
+def bench_memory(ctx: Ctx) -> dict[str, Any]:
+    """offtop's RSS over a long run at ~50k switches/s with process churn."""
+    minutes = ctx.long_minutes if ctx.long_minutes is not None else (1.0 if ctx.quick else 4.0)
+    churn = 20
+    step = 5.0
+    samples: list[tuple[float, float]] = []
+    say(f"memory: {minutes:g} min at ~50k switches/s with {churn} new processes/s, RSS every {step:.0f}s")
+    with pacer(ctx.tools, 50_000, churn):
+        bg = Background(["taskset", "-c", TRACER_CPU, *offtop_argv()], "offtop-memory", keep=3)
+        try:
+            bg.wait_for(lambda line: True, timeout=60)
+            t0 = time.monotonic()
+            end = t0 + minutes * 60
+            next_say = t0 + 60
+            while time.monotonic() < end:
+                if bg.proc.poll() is not None:
+                    raise BenchError(f"offtop exited during the memory run: {bg.stderr_tail()}")
+                now = time.monotonic()
+                samples.append((now - t0, rss_mb(bg.proc.pid)))
+                if now >= next_say:
+                    say(f"  {(now - t0) / 60:.0f} min: RSS {samples[-1][1]:.1f} MB")
+                    next_say += 60
+                time.sleep(step)
+            samples.append((time.monotonic() - t0, rss_mb(bg.proc.pid)))
+            last = snapshots(bg)
+        finally:
+            bg.stop()
+    warm = max(60.0, samples[-1][0] / 3)
+    after = [(t, m) for t, m in samples if t >= warm]
+    slope = _slope(after) * 60
+    final = samples[-1][1]
+    peak = max(m for _, m in samples)
+    at_warm = after[0][1] if after else final
+    stats = last[-1]["stats"] if last else {}
+    print(f"\n5. Memory: offtop batch, {minutes:g} min, pacer at ~50k switches/s + {churn} processes/s")
+    print(f"   RSS at end {final:.1f} MB (peak {peak:.1f} MB; {at_warm:.1f} MB at warm-up, "
+          f"{warm / 60:.1f} min); after warm-up {slope:+.2f} MB/min   (target <= 150 MB, flat)")
+    if stats:
+        print(f"   last interval: {stats.get('switches_per_s', 0):.0f} switches/s, stacks used "
+              f"{stats.get('stacks_used')}/{stats.get('stacks_capacity')}, reclaimed "
+              f"{stats.get('stacks_reclaimed')}, lost {stats.get('lost_total')}")
+    return {"minutes": minutes, "churn_per_s": churn, "rss_end_mb": final, "rss_peak_mb": peak,
+            "rss_warm_mb": at_warm, "warm_s": warm, "slope_mb_per_min": slope,
+            "samples": [[round(t, 1), round(m, 2)] for t, m in samples]}
+
+
+def _slope(points: Sequence[tuple[float, float]]) -> float:
+    """Least-squares slope (y per x)."""
+    if len(points) < 2:
+        return 0.0
+    mx = statistics.fmean(p[0] for p in points)
+    my = statistics.fmean(p[1] for p in points)
+    den = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / den if den else 0.0
+
+
+# --- 6. UI --------------------------------------------------------------------------
+
+
+def bench_ui(ctx: Ctx) -> dict[str, Any]:
+    """bench/bench_ui.py (the TUI engineer's benchmark), run as it is; its table parsed."""
+    script = BENCH / "bench_ui.py"
+    if not script.exists():
+        raise BenchError("bench/bench_ui.py is not there yet")
+    argv = [PY, str(script), "--runs", str(max(7, ctx.runs))]
+    say(f"ui: {' '.join(argv[1:])}")
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    if r.returncode != 0:
+        raise BenchError(f"bench_ui.py failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+    rows = []
+    for line in r.stdout.splitlines():
+        m = re.match(r"^(\S.*?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+(\S+)$", line)
+        if m:
+            rows.append({"measure": m.group(1), "wall_median_ms": float(m.group(2)),
+                         "wall_max_ms": float(m.group(3)), "cpu_median_ms": float(m.group(4)),
+                         "cpu_max_ms": float(m.group(5)), "runs": int(m.group(6))})
+    if not rows:
+        raise BenchError("bench_ui.py printed no table")
+    print("\n6. UI (bench/bench_ui.py: 2,000 tasks / 20,000 stacks replayed; ms)")
+    for line in r.stdout.strip().splitlines():
+        print(f"   {line}")
+    return {"rows": rows}
+
+
+# --- bench/README.md ------------------------------------------------------------------
+
+
+def machine() -> str:
+    model = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem = "?"
+    with contextlib.suppress(OSError):
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f"{kb / 1024 / 1024:.1f} GiB"
+    virt = subprocess.run(["systemd-detect-virt"], capture_output=True, text=True).stdout.strip() \
+        if shutil.which("systemd-detect-virt") else ""
+    distro = ""
+    with contextlib.suppress(OSError):
+        m = re.search(r'^PRETTY_NAME="?([^"\n]*)', Path("/etc/os-release").read_text(), re.M)
+        distro = m.group(1) if m else ""
+    return (f"{distro}, kernel {platform.release()}, {os.cpu_count()} CPUs ({model}), {mem}"
+            + (f", {virt} VM" if virt and virt != "none" else ""))
+
+
+def _dist(d: dict[str, Any] | None, scale: float = 1.0, digits: int = 0, unit: str = "") -> str:
+    if not d:
+        return DASH
+    return (f"{d['median'] / scale:.{digits}f}{unit} "
+            f"({d['min'] / scale:.{digits}f}{DASH}{d['max'] / scale:.{digits}f})")
+
+
+def _row(results: dict[str, Any], name: str) -> dict[str, Any] | None:
+    for row in results.get("rows", []):
+        if row["name"] == name:
+            return dict(row)
+    return None
+
+
+def summary_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(figure, measured, target, met, when) for the README's table."""
+    rows: list[tuple[str, str, str, str, str]] = []
+
+    def when(b: str) -> str:
+        e = res.get(b, {})
+        return f"{e.get('date', '?')}{' (quick)' if e.get('quick') else ''}"
+
+    def yes(ok: bool) -> str:
+        return "**yes**" if ok else "**no**"
+
+    sw = res.get("switch", {}).get("result")
+    if sw:
+        def added(n: str) -> dict[str, Any] | None:
+            row = _row(sw, n)
+            return row["added_ns_per_switch"] if row else None
+
+        o, b, n, e = added("offtop"), added("bpftrace"), added("offtop-nostacks"), added("empty")
+        if o and b and "stacks_vs_bpftrace" in sw:
+            x = sw["stacks_vs_bpftrace"]
+            rows.append(("1a. added cost per switch, kernel+user stacks",
+                         f"offtop +{_dist(o, 1e3, 2)} {MICRO}s vs bpftrace +{_dist(b, 1e3, 2)} {MICRO}s = "
+                         f"**{x:.2f}{TIMES}**", f"{LE} 0.75{TIMES} bpftrace", yes(x <= 0.75), when("switch")))
+        if n and e and "nostacks_vs_empty" in sw:
+            x = sw["nostacks_vs_empty"]
+            rows.append(("1b. added cost per switch, no stacks",
+                         f"offtop +{_dist(n, 1, 0)} ns vs empty program +{_dist(e, 1, 0)} ns = "
+                         f"**{x:.2f}{TIMES}**", f"{LE} 2{TIMES} empty program", yes(x <= 2.0),
+                         when("switch")))
+    tp = res.get("throughput", {}).get("result")
+    if tp:
+        for name, label in (("offtop-t0", "kernel+user stacks"), ("offtop-t0-nostacks", "no stacks")):
+            row = _row(tp, name)
+            if not row:
+                continue
+            ev, slow = row["events_per_s"], row["slowdown"]
+            ok = ev["median"] >= 300_000 and row["lost"] == 0 and slow["median"] <= 1.6
+            rows.append((f"2. event throughput at threshold 0, {label}",
+                         f"{_dist(ev, 1e3, 0)}k events/s, {row['lost']} lost, "
+                         f"slowdown {_dist(slow, 1, 2)}{TIMES}",
+                         f"{GE} 300k events/s, 0 lost, slowdown {LE} 1.6{TIMES}", yes(ok),
+                         when("throughput")))
+    cpu = res.get("cpu", {}).get("result")
+    if cpu:
+        for mode in ("batch", "tui"):
+            if mode in cpu:
+                d = cpu[mode]
+                rows.append((f"3. offtop's own CPU, {'batch' if mode == 'batch' else 'TUI'}",
+                             f"{_dist(d, 1, 2)} % of one core at "
+                             f"{cpu['switches_per_s']['median'] / 1e3:.0f}k switches/s",
+                             "< 3 %", yes(d["median"] < 3.0), when("cpu")))
+        if "tui" not in cpu:
+            rows.append(("3. offtop's own CPU, TUI", "not measured yet (offtop/app.py not there)",
+                         "< 3 %", DASH, when("cpu")))
+    st = res.get("startup", {}).get("result")
+    if st:
+        d = st["first_snapshot_s"]
+        ph = st["phases_s"]
+        parts = ", ".join(f"{label.split(' ')[0] if k != 'compile_load' else 'compile'} "
+                          f"{ph[k]['median'] * 1e3:.0f}" for k, label in PHASES if k in ph)
+        rows.append(("4. start-up to first snapshot",
+                     f"{_dist(d, 1, 2)} s (ms: {parts}; first interval {st.get('first_interval_s')} s)",
+                     f"{LE} 1.5 s", yes(d["median"] <= 1.5), when("startup")))
+    mem = res.get("memory", {}).get("result")
+    if mem:
+        flat = abs(mem["slope_mb_per_min"]) * mem["minutes"] <= max(5.0, 0.05 * mem["rss_end_mb"])
+        rows.append(("5. memory (RSS)",
+                     f"{mem['rss_end_mb']:.0f} MB after {mem['minutes']:g} min "
+                     f"(peak {mem['rss_peak_mb']:.0f}); "
+                     f"{mem['slope_mb_per_min']:+.2f} MB/min after warm-up",
+                     f"{LE} 150 MB, flat", yes(mem["rss_peak_mb"] <= 150 and flat), when("memory")))
+    ui = res.get("ui", {}).get("result")
+    if ui and ui.get("rows"):
+        worst_med = max(ui["rows"], key=lambda r: r["wall_median_ms"])
+        worst_max = max(ui["rows"], key=lambda r: r["wall_max_ms"])
+        rows.append(("6. UI: tick and keypress to repaint, 2,000 tasks / 20,000 stacks",
+                     f"slowest median {worst_med['wall_median_ms']:.0f} ms ({worst_med['measure']}); "
+                     f"slowest single run {worst_max['wall_max_ms']:.0f} ms ({worst_max['measure']})",
+                     "< 100 ms", yes(worst_med["wall_median_ms"] < 100), when("ui")))
+    return rows
+
+
+def render_table(res: dict[str, Any]) -> str:
+    lines = [TABLE_START, "", f"Machine: {res.get('machine', '?')}", "",
+             f"| figure | measured: median (min{DASH}max) | target | met | run |",
+             "|---|---|---|---|---|"]
+    for fig, measured, target, met, run in summary_rows(res):
+        lines.append(f"| {fig} | {measured} | {target} | {met} | {run} |")
+    for name in BENCHMARKS:
+        entry = res.get(name)
+        if entry and entry.get("text"):
+            lines += ["", f"<details><summary>{name}: full output ({entry['date']})</summary>", "",
+                      "```", entry["text"].rstrip(), "```", "", "</details>"]
+    lines += ["", TABLE_END]
+    return "\n".join(lines)
+
+
+def write_readme(res: dict[str, Any]) -> None:
+    table = render_table(res)
+    text = README.read_text() if README.exists() else f"# offtop benchmarks\n\n{TABLE_START}\n{TABLE_END}\n"
+    if TABLE_START in text and TABLE_END in text:
+        head, rest = text.split(TABLE_START, 1)
+        _, tail = rest.split(TABLE_END, 1)
+        text = head + table + tail
+    else:
+        text = text.rstrip() + "\n\n" + table + "\n"
+    README.write_text(text)
+
+
+# --- main ----------------------------------------------------------------------------
+
+
+RUNNERS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
+    "switch": bench_switch,
+    "throughput": bench_throughput,
+    "cpu": bench_cpu,
+    "startup": bench_startup,
+    "memory": bench_memory,
+    "ui": bench_ui,
+}
+
+
+class _Tee:
+    """stdout, also kept in memory (each benchmark's printout goes to the README)."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.buf: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.buf.append(s)
+        return int(self.out.write(s))
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def take(self) -> str:
+        text = "".join(self.buf)
+        self.buf.clear()
+        return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0] if __doc__ else "",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("benchmarks", nargs="*", metavar="BENCHMARK",
+                   help=f"which to run (default: all): {', '.join(BENCHMARKS)}")
+    p.add_argument("--quick", action="store_true", help="fewer, shorter runs (figures marked quick)")
+    p.add_argument("--runs", type=int, help="rounds per comparison (default 7, quick 3)")
+    p.add_argument("--long", type=float, metavar="MINUTES",
+                   help="length of the memory run (default 4, quick 1; the on-demand soak is 30)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                   help="switch: also run offtop through bench/probe_variant.py ARGS [-- OFFTOP-ARGS] "
+                        "(e.g. 'k16=--set kstack_depth=16'); not written to the README")
+    p.add_argument("--configs", help="switch: only these configurations (comma list), plus none")
+    p.add_argument("--no-readme", action="store_true", help="print only; keep results.json and README")
+    args = p.parse_args(argv)
+    if os.geteuid() != 0:
+        say("bench/run.py needs root (it loads BPF programs): run `sudo make bench`")
+        return 1
+    chosen = args.benchmarks or list(BENCHMARKS)
+    unknown = [b for b in chosen if b not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown benchmark {', '.join(unknown)}: choose from {', '.join(BENCHMARKS)}")
+    runs = args.runs or (3 if args.quick else 7)
+    variants = []
+    for v in args.variant:
+        name, _, spec = v.partition("=")
+        variants.append((name, spec.split()))
+    tools = build()
+    ctx = Ctx(tools=tools, quick=args.quick, runs=runs, long_minutes=args.long, variants=variants,
+              configs=args.configs.split(",") if args.configs else None)
+    experimental = bool(variants or args.configs)
+    res: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    res["machine"] = machine()
+    tee = _Tee(sys.stdout)
+    sys.stdout = tee  # type: ignore[assignment]
+    failed = []
+    try:
+        for name in chosen:
+            try:
+                result = RUNNERS[name](ctx)
+            except BenchError as e:
+                say(f"{name}: skipped: {e}")
+                failed.append(name)
+                continue
+            text = tee.take()
+            if not experimental and not args.no_readme:
+                res[name] = {"date": dt.date.today().isoformat(), "quick": args.quick, "result": result,
+                             "text": text}
+                RESULTS.write_text(json.dumps(res, indent=1) + "\n")
+                write_readme(res)
+    finally:
+        sys.stdout = tee.out
+    if not experimental and not args.no_readme:
+        say(f"figures written to {README.relative_to(ROOT)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
