@@ -61,7 +61,7 @@ def state_mask(letters: str) -> int:
 
 
 class StartRecord(ct.Structure):
-    """Mirrors `struct start_rec` in offcpu.c."""
+    """Mirrors `struct start_rec` in offcpu.c (ts == 0: not blocked now)."""
 
     _fields_ = [
         ("ts", ct.c_uint64),
@@ -70,6 +70,8 @@ class StartRecord(ct.Structure):
         ("state", ct.c_uint32),
         ("ustack", ct.c_int32),
         ("kstack", ct.c_int32),
+        ("skip", ct.c_uint32),
+        ("pad", ct.c_uint32),
     ]
 
 

@@ -129,7 +129,7 @@ class BpfSource:
         self._agg = Aggregator()
         self._procinfo = ProcessInfoCache()
         self._gen = 0
-        self._raw_events: list[bytes] = []
+        self._raw_events: list[tuple[Any, ...]] = []
         self._event_acc: dict[_RawKey, list[Any]] = {}
         self._event_tail: deque[tuple[Any, ...]] = deque(maxlen=config.long_blocks_max)
         self._interval = _Interval(long_blocks=deque(maxlen=config.long_blocks_max))
@@ -272,6 +272,8 @@ class BpfSource:
             except Exception as e:
                 raise EngineError(f"cannot use cgroup {self.config.cgroup}: {e}") from None
         self._prog_fd = b.funcs[PROBE_FUNCTION].fd if PROBE_FUNCTION in b.funcs else -1
+        # offcpu.c CFG_ARMED: the program records nothing until the maps above are set.
+        self._table("offtop_config")[ct.c_int(1)] = ct.c_uint64(1)
 
     def _set_perf_fd(self, cpu: int, fd: int) -> None:
         table = self._table("offcpu_events")
@@ -311,18 +313,12 @@ class BpfSource:
         """Drain the perf ring (bounded) and sum its events by key, raw."""
         assert self._ring is not None
         raw = self._raw_events
-        self._ring.drain(raw, max_records=262_144)
+        # Decoded in bulk (perf_ring.drain_unpacked): tuples in EVENT_STRUCT order.
+        self._ring.drain_unpacked(raw, EVENT_STRUCT, max_records=262_144)
         if not raw:
             return
         acc = self._event_acc
-        tail = self._event_tail
-        unpack = EVENT_STRUCT.unpack_from
-        size = EVENT_STRUCT.size
-        for rec in raw:
-            if len(rec) < size:
-                continue
-            ev = unpack(rec)
-            _end_ns, delta, _cg, tgid, tid, us, ks, st, _cpu, comm = ev
+        for _end_ns, delta, _cg, tgid, tid, us, ks, st, _cpu, comm in raw:
             key = (tgid, tid, st, us, ks)
             a = acc.get(key)
             if a is None:
@@ -332,7 +328,8 @@ class BpfSource:
                 a[1] += 1
                 if delta > a[2]:
                     a[2] = delta
-            tail.append(ev)
+        tail = self._event_tail
+        tail.extend(raw[-tail.maxlen:] if tail.maxlen else raw)
         self._interval.events += len(raw)
         self._events_total += len(raw)
         raw.clear()
@@ -488,8 +485,16 @@ class BpfSource:
         live: set[tuple[str, int]] = set()
         table = self._table("offcpu_start")
         stale: list[int] = []
+        # offcpu.c keeps one record per live thread; ts == 0: not blocked now.
+        # Records of exited threads are dropped by the probe (sched_process_free);
+        # now and then, reap any that a missed event left behind.
+        reap_idle = self._seq % 30 == 0
         for k, v in table.items_lookup_batch():
             tid = k if isinstance(k, int) else k.value
+            if v.ts == 0:
+                if reap_idle and not os.path.exists(f"/proc/{v.tgid}/task/{tid}"):
+                    stale.append(tid)
+                continue
             if v.ustack >= 0:
                 live.add(("u", v.ustack))
             if v.kstack >= 0:

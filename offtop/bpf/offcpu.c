@@ -1,14 +1,27 @@
 // offtop: off-CPU time from sched:sched_switch.
 //
 // At switch-out of a task in a recorded state, remember when and where it
-// stopped (timestamp, state, stack ids, cgroup). At switch-in of a task with
-// such a record, the interval is `now - timestamp`, routed to exactly one of:
+// stopped (timestamp, state, stack ids, cgroup) in the task's own record. At
+// switch-in of a task whose record holds a timestamp, the interval is
+// `now - timestamp`, routed to exactly one of:
 //   - >= offcpu_thresh_ns: one perf-buffer event built in a per-CPU payload;
 //   - otherwise: summed into an in-kernel hash (total, count, max).
 // Never both, so totals never double count (perf's --off-cpu-thresh design).
 //
 // This program reads only the tracepoint's own fields and BPF helpers, never
 // a kernel struct, so any kernel header tree compiles it for any kernel.
+//
+// Cost: this runs on every context switch of the machine, so the common path
+// is kept to two map lookups (next's record, prev's record), one aggregate
+// update and one clock read. Each thread keeps one record for its whole life
+// (the timestamp is cleared, not the entry deleted, when it runs again), and
+// whether a thread is ever recorded (kernel thread? offtop itself? outside
+// -p/-t?) is decided once, at its first switch-out, and kept in that record.
+// That is exact because all three facts are fixed for a thread's life except
+// across exec (a kernel thread that execs a user-mode helper, a non-leader
+// thread that takes over the leader's pid): sched_process_exec drops the
+// records involved, and sched_process_free drops a record once its task is
+// gone, so a reused tid always starts afresh.
 //
 // Compile-time knobs come from Python as -D integers, all validated there:
 //   OFFTOP_STATE_MASK     states to record, as normalized prev_state bits
@@ -45,9 +58,13 @@
 #define C_NO_START 11
 #define C_MAX 12
 
-#define CFG_GEN 0
+// offtop_config slots, written by Python.
+#define CFG_GEN 0       // which aggregate map the program writes (0 or 1)
+#define CFG_ARMED 1     // 1 once Python has written every map the program reads
 
-// Mirrored by decode.StartRecord.
+// One per thread seen switching out, keyed by tid. Mirrored by
+// decode.StartRecord. ts == 0: the thread is on a CPU, or was not recorded at
+// its last switch-out (state not asked for, or skip).
 struct start_rec {
     u64 ts;
     u64 cgroup_id;
@@ -55,6 +72,8 @@ struct start_rec {
     u32 state;
     s32 ustack;
     s32 kstack;
+    u32 skip;
+    u32 pad;
 };
 
 // Mirrored by decode.AggKey.
@@ -103,9 +122,11 @@ BPF_PERF_OUTPUT(offcpu_events);
 BPF_TABLE("stacktrace", int, struct kstack_t, kernel_stacks, OFFTOP_STACK_ENTRIES);
 BPF_TABLE("stacktrace", int, struct ustack_t, user_stacks, OFFTOP_STACK_ENTRIES);
 
-// Tasks off the CPU right now. LRU: a task that exits while asleep is never
-// switched in again; Python also reaps such entries.
-BPF_TABLE("lru_hash", u32, struct start_rec, offcpu_start, OFFTOP_START_ENTRIES);
+// Per-thread records (see start_rec). A plain preallocated hash: lookups and
+// in-place writes on the hot path, an insert only at a thread's first
+// switch-out, a delete when it is freed (and Python reaps any a missed
+// sched_process_free would leave).
+BPF_HASH(offcpu_start, u32, struct start_rec, OFFTOP_START_ENTRIES);
 
 // Two generations of aggregates: the program writes the one offtop_config
 // [CFG_GEN] names while Python drains the other, so no increment is ever lost
@@ -149,6 +170,27 @@ static __always_inline u32 normalize_state(long prev_state)
     return st;
 }
 
+// Whether a thread is never to be recorded; asked once per thread (see top).
+static __always_inline u32 never_record(void *args, u32 tgid, u32 tid)
+{
+#if OFFTOP_SELF_TGID
+    if (tgid == OFFTOP_SELF_TGID)
+        return 1;
+#endif
+#if OFFTOP_FILTER_PID || OFFTOP_FILTER_TID
+    if (!pid_filter.lookup(&tgid) && !tid_filter.lookup(&tid))
+        return 1;
+#endif
+#if !OFFTOP_KTHREADS
+    // One user frame: kernel threads (and io_uring/vhost workers, which the
+    // kernel treats alike) have none, every user thread has its ip.
+    u64 ip = 0;
+    if (bpf_get_stack(args, &ip, sizeof(ip), BPF_F_USER_STACK) <= 0)
+        return 1;
+#endif
+    return 0;
+}
+
 static __always_inline void on_switch_out(void *args, long prev_state, u64 now)
 {
     u32 state = normalize_state(prev_state);
@@ -159,58 +201,56 @@ static __always_inline void on_switch_out(void *args, long prev_state, u64 now)
     u32 tid = (u32)id, tgid = id >> 32;
     if (tid == 0)
         return;
-#if OFFTOP_SELF_TGID
-    if (tgid == OFFTOP_SELF_TGID)
+    struct start_rec *rec = offcpu_start.lookup(&tid);
+    if (!rec) {
+        struct start_rec init = {};
+        init.tgid = tgid;
+        init.skip = never_record(args, tgid, tid);
+        if (offcpu_start.insert(&tid, &init) != 0) {
+            count(C_START_FULL);
+            return;
+        }
+        rec = offcpu_start.lookup(&tid);
+        if (!rec)
+            return;
+    }
+    if (rec->skip)
         return;
-#endif
-
-#if OFFTOP_FILTER_PID || OFFTOP_FILTER_TID
-    if (!pid_filter.lookup(&tgid) && !tid_filter.lookup(&tid))
-        return;
-#endif
 #if OFFTOP_FILTER_CGROUP
+    // Not cached: a task can be moved to another cgroup at any time.
     if (cgroup_filter.check_current_task(0) != 1)
         return;
 #endif
 
-    struct start_rec rec = {};
-    rec.ts = now;
-    rec.tgid = tgid;
-    rec.state = state;
-    rec.ustack = -1;
-    rec.kstack = -1;
-
+    s32 ustack = -1, kstack = -1;
 #if OFFTOP_USER_STACKS
-    // The user walk goes first: it fails with EFAULT exactly when the task has
-    // no user context (kernel threads), which lets us drop those before
-    // paying for a kernel walk.
-    rec.ustack = user_stacks.get_stackid(args, BPF_F_USER_STACK);
-    if (rec.ustack < 0) {
+    ustack = user_stacks.get_stackid(args, BPF_F_USER_STACK);
+    if (ustack < 0) {
 #if !OFFTOP_KTHREADS
-        if (rec.ustack == -14)
+        // A user thread past exit_mm() has no user stack left: as before
+        // its first sight, such a switch-out is not recorded.
+        if (ustack == -14)
             return;
 #endif
-        count_stack_error(rec.ustack, C_USTACK_EFAULT);
-    }
-#elif !OFFTOP_KTHREADS
-    {
-        // No user stacks wanted: read one user frame, which is cheap and
-        // tells kernel threads (nothing to read) from user tasks.
-        u64 ip = 0;
-        if (bpf_get_stack(args, &ip, sizeof(ip), BPF_F_USER_STACK) <= 0)
-            return;
+        count_stack_error(ustack, C_USTACK_EFAULT);
     }
 #endif
-
 #if OFFTOP_KERNEL_STACKS
-    rec.kstack = kernel_stacks.get_stackid(args, 0);
-    if (rec.kstack < 0)
-        count_stack_error(rec.kstack, C_KSTACK_EFAULT);
+    kstack = kernel_stacks.get_stackid(args, 0);
+    if (kstack < 0)
+        count_stack_error(kstack, C_KSTACK_EFAULT);
 #endif
 
-    rec.cgroup_id = bpf_get_current_cgroup_id();
-    if (offcpu_start.update(&tid, &rec) != 0)
-        count(C_START_FULL);
+    // Only this thread's own switches write its record, and a thread is
+    // switched in only after its switch-out completed (under the runqueue
+    // lock), so plain stores suffice. ts goes last: Python's blocked-now
+    // reader treats a record with a timestamp as complete.
+    rec->tgid = tgid;
+    rec->state = state;
+    rec->ustack = ustack;
+    rec->kstack = kstack;
+    rec->cgroup_id = bpf_get_current_cgroup_id();
+    rec->ts = now;
 }
 
 static __always_inline void on_switch_in(void *args, u32 tid, const char *next_comm, u64 now)
@@ -218,10 +258,10 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
     if (tid == 0)
         return;
     struct start_rec *rec = offcpu_start.lookup(&tid);
-    if (!rec)
+    if (!rec || rec->ts == 0)
         return;
     struct start_rec s = *rec;
-    offcpu_start.delete(&tid);
+    rec->ts = 0;
     if (now < s.ts)
         return;
     u64 delta = now - s.ts;
@@ -288,8 +328,38 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
 
 TRACEPOINT_PROBE(sched, sched_switch)
 {
+    // bcc attaches the program as it loads it, before Python has written the
+    // threshold and the -p/-t filters; a thread classified in that window
+    // would keep the wrong answer, so nothing is recorded until then.
+    u32 armed_slot = CFG_ARMED;
+    u64 *armed = offtop_config.lookup(&armed_slot);
+    if (!armed || !*armed)
+        return 0;
     u64 now = bpf_ktime_get_ns();
     on_switch_in(args, args->next_pid, args->next_comm, now);
     on_switch_out(args, args->prev_state, now);
+    return 0;
+}
+
+// A task is gone for good (after its last switch): drop its record, so the
+// tid, when reused, is classified afresh. Runs from an RCU callback, after
+// free_pid(); reuse of a pid needs the allocator to cycle through all of
+// pid_max first, far longer than that grace period.
+TRACEPOINT_PROBE(sched, sched_process_free)
+{
+    u32 tid = args->pid;
+    offcpu_start.delete(&tid);
+    return 0;
+}
+
+// exec may turn a kernel thread into a user process (user-mode helpers) and
+// makes a non-leader thread take over the leader's pid (de_thread): both
+// records involved are dropped and the thread is classified afresh.
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    u32 tid = args->pid, old = args->old_pid;
+    offcpu_start.delete(&tid);
+    if (old != tid)
+        offcpu_start.delete(&old);
     return 0;
 }

@@ -7,7 +7,9 @@ perf events itself, and each `drain()` consumes at most what was in the
 ring when it started, then returns, so a caller always gets control back
 within one bounded batch.
 
-Records are copied out as raw bytes and decoded in bulk by the caller.
+Records are copied out as raw bytes, or (`drain_unpacked`) decoded in bulk
+with one `struct.iter_unpack` over each run of same-size samples, which is
+what lets Python take in several hundred thousand events per second.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import select
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 PERF_TYPE_SOFTWARE = 1
 PERF_COUNT_SW_BPF_OUTPUT = 10
@@ -71,10 +74,20 @@ class PerfEventAttr(ct.Structure):
     ]
 
 
+def _sample_size(payload: int) -> int:
+    """Bytes of one PERF_RECORD_SAMPLE carrying a `payload`-byte raw record.
+
+    The kernel pads the u32 size plus the raw bytes to a multiple of 8
+    (perf_prepare_sample), then adds the 8-byte header.
+    """
+    return 8 + ((4 + payload + 7) & ~7)
+
+
 def online_cpus() -> list[int]:
     """CPU numbers from /sys/devices/system/cpu/online ("0-3,6")."""
     try:
-        text = open("/sys/devices/system/cpu/online").read().strip()
+        with open("/sys/devices/system/cpu/online") as f:
+            text = f.read().strip()
     except OSError:
         return list(range(os.cpu_count() or 1))
     cpus: list[int] = []
@@ -170,7 +183,24 @@ class PerfRing:
                 break
         return n
 
-    def _drain_one(self, r: _Ring, out: list[bytes], budget: int) -> int:
+    def drain_unpacked(self, out: list[tuple[Any, ...]], record: struct.Struct, *,
+                       max_records: int = 1 << 20) -> int:
+        """Like `drain`, but append each sample decoded with `record` (a tuple).
+
+        Every sample must be one `record` (what a BPF program that submits
+        one struct produces); a shorter one is skipped. Runs of such samples
+        are checked header by header with strided byte comparisons and
+        decoded with a single `iter_unpack`, not one Python step per record.
+        """
+        n = 0
+        for r in self._rings:
+            n += self._drain_one(r, out, max_records - n, record)
+            if n >= max_records:
+                break
+        return n
+
+    def _drain_one(self, r: _Ring, out: list[Any], budget: int,
+                   record: struct.Struct | None = None) -> int:
         mm = r.mm
         head = _U64.unpack_from(mm, _DATA_HEAD)[0]
         tail = _U64.unpack_from(mm, _DATA_TAIL)[0]
@@ -187,14 +217,21 @@ class PerfRing:
             chunk = mm[base + start: base + size] + mm[base: base + (start + avail - size)]
         pos = 0
         n = 0
+        if record is not None:
+            pos = n = self._bulk(chunk, avail, budget, record, out)
+            pos *= _sample_size(record.size)
         while pos + 8 <= avail and n < budget:
             typ, _misc, rsize = _HEADER.unpack_from(chunk, pos)
             if rsize == 0 or pos + rsize > avail:
                 break
             if typ == PERF_RECORD_SAMPLE:
                 raw_size = _U32.unpack_from(chunk, pos + 8)[0]
-                out.append(chunk[pos + 12: pos + 12 + raw_size])
-                n += 1
+                if record is None:
+                    out.append(chunk[pos + 12: pos + 12 + raw_size])
+                    n += 1
+                elif raw_size >= record.size:
+                    out.append(record.unpack_from(chunk, pos + 12))
+                    n += 1
             elif typ == PERF_RECORD_LOST:
                 # struct { header; u64 id; u64 lost; }
                 self.lost += _U64.unpack_from(chunk, pos + 16)[0]
@@ -202,6 +239,37 @@ class PerfRing:
         # Release what was consumed; x86 orders this store after the loads above.
         _U64.pack_into(mm, _DATA_TAIL, tail + pos)
         return n
+
+    @staticmethod
+    def _bulk(chunk: bytes, avail: int, budget: int, record: struct.Struct, out: list[Any]) -> int:
+        """Decode the longest prefix of `chunk` made of whole `record` samples.
+
+        A sample of a `record.size` payload is a perf header (type, misc,
+        size), a u32 raw size, the payload, and padding to 8 bytes: always the
+        same `step` bytes. Reading `step` from each header to the next is the
+        walk a reader must do; here every header on that walk is compared at
+        once, by byte strides: type SAMPLE, size `step`, raw size as expected.
+        If any differs (a LOST record, another size), fall back to the walk.
+        """
+        step = _sample_size(record.size)
+        k = min(avail // step, budget)
+        if k == 0:
+            return 0
+        end = k * step
+        raw = step - 12
+        if (chunk[0:end:step] != bytes((PERF_RECORD_SAMPLE,)) * k
+                or chunk[6:end:step] != bytes((step & 0xFF,)) * k
+                or chunk[7:end:step] != bytes((step >> 8,)) * k
+                or chunk[8:end:step] != bytes((raw & 0xFF,)) * k
+                or chunk[9:end:step] != bytes((raw >> 8,)) * k):
+            return 0
+        order, body = (record.format[0], record.format[1:]) if record.format[0] in "@=<>!" \
+            else ("", record.format)
+        fmt = struct.Struct(f"{order}12x{body}{step - 12 - record.size}x")
+        if fmt.size != step:  # native alignment would move fields: walk instead
+            return 0
+        out.extend(fmt.iter_unpack(memoryview(chunk)[:end]))
+        return k
 
     def close(self) -> None:
         """Disable and unmap every ring; safe to call twice."""
