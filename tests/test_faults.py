@@ -568,6 +568,8 @@ class Tmux:
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.sock, "kill-server"], capture_output=True)
+        # kill-server leaves its socket file behind.
+        Path(f"/tmp/tmux-{os.geteuid()}/{self.sock}").unlink(missing_ok=True)
 
 
 def _assert_screen_keeps_refreshing(tmux: Tmux, interval: float, seconds: float) -> None:
