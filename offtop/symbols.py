@@ -1,21 +1,22 @@
-"""Addresses to function names: kernel via kallsyms, user via bcc, per process.
+"""Addresses to function names: kernel via kallsyms, user via ELF, per process.
 
 User symbols are cached per (pid, process start time), so a pid reused by a
-new process never inherits the old one's names, and a process is resolved
-while it is alive (bcc reads its maps and binaries through /proc/<pid>).
-Dead processes are forgotten after a grace period.
+new process never inherits the old one's names. A process's memory map is
+read at first sight, while it is alive, and its binaries are opened through
+/proc/PID/map_files, which works even once a binary is deleted or replaced
+on disk; parsed files are shared by every process that maps them
+(offtop.elf). Dead processes are forgotten after a grace period.
 """
 
 from __future__ import annotations
 
 import bisect
-import ctypes as ct
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from offtop.elf import ElfCache
 from offtop.model import Frame
 
 #: Kernel frames added by the tracer itself, stripped from the innermost end.
@@ -99,80 +100,121 @@ class KernelSymbols:
         return strip_tracer_frames([self.resolve(a) for a in addrs])
 
 
+@dataclass(frozen=True, slots=True)
+class Mapping:
+    """One executable file mapping of a process (from /proc/PID/maps)."""
+
+    start: int
+    end: int
+    offset: int
+    path: str  # as maps shows it, " (deleted)" included
+    handle: str  # what to open: /proc/PID/map_files/START-END
+
+    @property
+    def module(self) -> str:
+        """The file's base name, without " (deleted)"."""
+        return os.path.basename(self.path.removesuffix(" (deleted)"))
+
+
+def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:
+    """Executable file mappings of a process, sorted by address ([] if it is gone)."""
+    out = []
+    try:
+        with open(f"{proc}/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) < 6 or "x" not in parts[1] or not parts[5].startswith("/"):
+            continue
+        lo, hi = parts[0].split("-")
+        out.append(Mapping(int(lo, 16), int(hi, 16), int(parts[2], 16), parts[5],
+                           f"{proc}/{pid}/map_files/{parts[0]}"))
+    out.sort(key=lambda m: m.start)
+    return out
+
+
+def read_perf_map(pid: int, proc: str = "/proc") -> list[tuple[int, int, str]]:
+    """JIT symbols a runtime wrote to /tmp/perf-PID.map (start, size, name)."""
+    for path in (f"{proc}/{pid}/root/tmp/perf-{pid}.map", f"/tmp/perf-{pid}.map"):
+        try:
+            with open(path, errors="replace") as f:
+                out = []
+                for line in f:
+                    parts = line.rstrip("\n").split(" ", 2)
+                    if len(parts) == 3:
+                        try:
+                            out.append((int(parts[0], 16), int(parts[1], 16), parts[2]))
+                        except ValueError:
+                            continue
+                return sorted(out)
+        except OSError:
+            continue
+    return []
+
+
 @dataclass(slots=True)
 class _Proc:
     start: int
-    cache: Any  # bcc symcache handle (void *)
+    maps: list[Mapping]
+    starts: list[int]
     frames: dict[int, Frame] = field(default_factory=dict)
     dead_since: float | None = None
-
-
-class _BccSymbol(ct.Structure):
-    """Mirrors bcc's `struct bcc_symbol` (bcc_syms.h)."""
-
-    _fields_ = [
-        ("name", ct.c_char_p),
-        ("demangle_name", ct.c_char_p),
-        ("module", ct.POINTER(ct.c_char)),
-        ("offset", ct.c_ulonglong),
-    ]
+    perf_map: list[tuple[int, int, str]] | None = None
 
 
 class UserSymbols:
-    """Per-process user symbol resolution on top of bcc's symcache.
-
-    `lib` is bcc's `libbcc` ctypes handle and `symbol_type` its `bcc_symbol`
-    structure; tests may pass fakes with `bcc_symcache_new`,
-    `bcc_symcache_resolve` and `bcc_free_symcache`.
-    """
+    """Per-process user symbol resolution (see the module docstring)."""
 
     def __init__(
         self,
-        lib: Any,
         *,
         grace_s: float = 30.0,
         max_processes: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         start_time: Callable[[int], int | None] = process_start_time,
-        symbol_type: type[ct.Structure] = _BccSymbol,
+        maps: Callable[[int], list[Mapping]] = read_maps,
+        elf_cache: ElfCache | None = None,
     ) -> None:
-        self._lib = lib
-        self._symbol_type = symbol_type
         self._procs: dict[int, _Proc] = {}
         self._grace = grace_s
         self._max = max_processes
         self._clock = clock
         self._start_time = start_time
+        self._read_maps = maps
+        self.elf = elf_cache or ElfCache()
         self.misses = 0
 
     @property
     def cached_processes(self) -> int:
-        """How many processes have a live symbol cache."""
+        """How many processes have a symbol cache."""
         return len(self._procs)
+
+    def _new_proc(self, pid: int, start: int) -> _Proc:
+        maps = self._read_maps(pid)
+        return _Proc(start=start, maps=maps, starts=[m.start for m in maps])
 
     def _proc(self, pid: int) -> _Proc | None:
         start = self._start_time(pid)
         p = self._procs.get(pid)
         if p is not None:
-            if start is None:  # gone: keep what we resolved, until the grace ends
+            if start is None:  # gone: keep what we know, until the grace ends
                 if p.dead_since is None:
                     p.dead_since = self._clock()
                 return p
             if start == p.start:
                 return p
-            self._drop(pid)  # pid reused by another process
+            del self._procs[pid]  # pid reused by another process
         if start is None:
             return None
         if len(self._procs) >= self._max:
             self.evict(force=True)
-        cache = self._lib.bcc_symcache_new(pid, None)
-        if not cache:
-            return None
-        p = self._procs[pid] = _Proc(start=start, cache=cache)
+        p = self._procs[pid] = self._new_proc(pid, start)
         return p
 
     def see(self, pid: int) -> None:
-        """Open a process's symbol cache at first sight, while it is alive."""
+        """Read a process's memory map at first sight, while it is alive."""
         self._proc(pid)
 
     def resolve_stack(self, pid: int, addrs: Iterable[int]) -> tuple[Frame, ...]:
@@ -186,32 +228,55 @@ class UserSymbols:
                 continue
             f = p.frames.get(a)
             if f is None:
-                f = p.frames[a] = self._resolve(p, a)
+                f = self._resolve(pid, p, a)
+                if not f.unknown:
+                    p.frames[a] = f
             out.append(f)
         return tuple(out)
 
-    def _resolve(self, p: _Proc, addr: int) -> Frame:
-        if p.dead_since is not None:
-            # The process is gone: bcc could not read its maps or binaries now.
+    def _mapping(self, pid: int, p: _Proc, addr: int) -> Mapping | None:
+        i = bisect.bisect_right(p.starts, addr) - 1
+        if i >= 0 and addr < p.maps[i].end:
+            return p.maps[i]
+        if p.dead_since is None:  # mapped since we looked (dlopen): look again
+            fresh = self._new_proc(pid, p.start)
+            p.maps, p.starts = fresh.maps, fresh.starts
+            i = bisect.bisect_right(p.starts, addr) - 1
+            if i >= 0 and addr < p.maps[i].end:
+                return p.maps[i]
+        return None
+
+    def _resolve(self, pid: int, p: _Proc, addr: int) -> Frame:
+        m = self._mapping(pid, p, addr)
+        if m is None:
+            name = self._jit_name(pid, p, addr)
+            if name is not None:
+                return Frame(name=name, module="[jit]", kernel=False)
             self.misses += 1
             return Frame(name=f"0x{addr:x}", module="", kernel=False)
-        sym: Any = self._symbol_type()
-        res = self._lib.bcc_symcache_resolve(p.cache, ct.c_ulonglong(addr), ct.byref(sym))
-        module = ""
-        if sym.module:
-            module = os.path.basename(ct.cast(sym.module, ct.c_char_p).value or b"").decode(
-                errors="replace"
-            )
-        if res < 0 or not (sym.demangle_name or sym.name):
-            self.misses += 1
-            if module:
-                return Frame(name=f"[{module}+0x{sym.offset:x}]", module=module, kernel=False)
-            return Frame(name=f"0x{addr:x}", module="", kernel=False)
-        raw = sym.demangle_name or sym.name
-        name = raw.decode(errors="replace")
-        if sym.demangle_name and hasattr(self._lib, "bcc_symbol_free_demangle_name"):
-            self._lib.bcc_symbol_free_demangle_name(ct.byref(sym))
-        return Frame(name=name, module=module, kernel=False)
+        file_off = addr - m.start + m.offset
+        syms = self.elf.get(m.handle)
+        if syms is None and p.dead_since is not None and not m.path.endswith(" (deleted)"):
+            syms = self.elf.get(m.path)  # map_files are gone with the process
+        if syms is not None:
+            vaddr = syms.vaddr_of(file_off)
+            name = syms.lookup(vaddr) if vaddr is not None else None
+            if name is not None:
+                return Frame(name=name, module=m.module, kernel=False)
+        self.misses += 1
+        return Frame(name=f"[{m.module}+0x{file_off:x}]", module=m.module, kernel=False)
+
+    def _jit_name(self, pid: int, p: _Proc, addr: int) -> str | None:
+        if p.perf_map is None:
+            p.perf_map = read_perf_map(pid)
+        if not p.perf_map:
+            return None
+        i = bisect.bisect_right(p.perf_map, (addr, 1 << 64, "")) - 1
+        if i >= 0:
+            start, size, name = p.perf_map[i]
+            if start <= addr < start + size:
+                return name
+        return None
 
     def evict(self, *, force: bool = False) -> int:
         """Forget processes dead for longer than the grace period; return how many."""
@@ -223,15 +288,9 @@ class UserSymbols:
             if p.dead_since is not None and now - p.dead_since >= self._grace:
                 gone.append(pid)
         for pid in gone:
-            self._drop(pid)
+            del self._procs[pid]
         return len(gone)
 
-    def _drop(self, pid: int) -> None:
-        p = self._procs.pop(pid, None)
-        if p is not None and p.cache:
-            self._lib.bcc_free_symcache(p.cache, pid)
-
     def close(self) -> None:
-        """Free every symbol cache."""
-        for pid in list(self._procs):
-            self._drop(pid)
+        """Forget everything."""
+        self._procs.clear()

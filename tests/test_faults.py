@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from offtop.model import Aggregator, Sample, Snapshot
-from offtop.symbols import UserSymbols
+from offtop.symbols import Mapping, UserSymbols
 from tests.conftest import ROOT, offtop_json, task_of, wait_until
 
 MS = 1_000_000
@@ -330,38 +330,51 @@ def test_aggregator_forgets_the_oldest_threads_beyond_its_cap() -> None:
 # --- pid reuse --------------------------------------------------------------------
 
 
-class _FakeBcc:
-    """bcc's symcache API, resolving each address by the process image it was opened for."""
+class _FakeImage:
+    """A fake parsed ELF file: file offsets are addresses, names by address."""
 
-    def __init__(self, images: dict[int, dict[int, str]]) -> None:
-        self.images = images  # pid -> {addr: name} of the process alive now
-        self.opened: list[int] = []
-        self.freed: list[int] = []
-        self._handles: dict[int, dict[int, str]] = {}
+    def __init__(self, names: dict[int, str]) -> None:
+        self.names = names
 
-    def bcc_symcache_new(self, pid: int, _opts: Any) -> int:
-        h = len(self.opened) + 1
-        self.opened.append(pid)
-        self._handles[h] = dict(self.images[pid])  # a snapshot, like bcc's own cache
-        return h
+    def vaddr_of(self, off: int) -> int:
+        return off
 
-    def bcc_symcache_resolve(self, cache: int, addr: Any, sym_ref: Any) -> int:
-        sym = sym_ref._obj
-        name = self._handles[cache].get(addr.value)
-        if name is None:
-            return -1
-        sym.name = name.encode()
-        return 0
+    def lookup(self, vaddr: int) -> str | None:
+        return self.names.get(vaddr)
 
-    def bcc_free_symcache(self, cache: int, pid: int) -> None:
-        self.freed.append(cache)
+
+class _FakeElfCache:
+    """ElfCache's get(): each process image is a file named after its start time."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, _FakeImage] = {}
+
+    def get(self, path: str) -> _FakeImage | None:
+        return self.files.get(path)
+
+
+def _fake_process(cache: _FakeElfCache, starts: dict[int, int], pid: int,
+                  names: dict[int, str]) -> None:
+    cache.files[f"img-{pid}-{starts[pid]}"] = _FakeImage(names)
+
+
+def _fake_maps(starts: dict[int, int]) -> Any:
+    def maps(pid: int) -> list[Mapping]:
+        if pid not in starts:
+            return []
+        img = f"img-{pid}-{starts[pid]}"
+        return [Mapping(0x0, 0x100000, 0, f"/bin/{img}", img)]
+
+    return maps
 
 
 def test_user_symbols_never_reuse_a_dead_process_cache() -> None:
     now = [0.0]
     starts = {4242: 1000}
-    lib = _FakeBcc({4242: {0x1000: "old_main", 0x2000: "old_wait"}})
-    syms = UserSymbols(lib, clock=lambda: now[0], start_time=starts.get, grace_s=5.0)
+    cache = _FakeElfCache()
+    _fake_process(cache, starts, 4242, {0x1000: "old_main", 0x2000: "old_wait"})
+    syms = UserSymbols(clock=lambda: now[0], start_time=starts.get, grace_s=5.0,
+                       maps=_fake_maps(starts), elf_cache=cache)  # type: ignore[arg-type]
     assert [f.name for f in syms.resolve_stack(4242, [0x1000, 0x2000])] == ["old_main", "old_wait"]
 
     # The process exits; within the grace period its frames are still known.
@@ -371,33 +384,32 @@ def test_user_symbols_never_reuse_a_dead_process_cache() -> None:
 
     # A new process gets pid 4242 (another start time, another image).
     starts[4242] = 2000
-    lib.images[4242] = {0x1000: "new_main", 0x3000: "new_poll"}
+    _fake_process(cache, starts, 4242, {0x1000: "new_main", 0x3000: "new_poll"})
     frames = syms.resolve_stack(4242, [0x1000, 0x2000, 0x3000])
-    assert [f.name for f in frames] == ["new_main", "0x2000", "new_poll"]
-    assert lib.opened == [4242, 4242] and lib.freed == [1]
+    assert [f.name for f in frames] == ["new_main", "[img-4242-2000+0x2000]", "new_poll"]
     assert syms.cached_processes == 1
 
-    # Dead and past the grace period: forgotten, cache freed.
+    # Dead and past the grace period: forgotten.
     del starts[4242]
     syms.resolve_stack(4242, [0x1000])
     now[0] = 100.0
     assert syms.evict() == 1
-    assert syms.cached_processes == 0 and lib.freed == [1, 2]
+    assert syms.cached_processes == 0
     # A pid with no process resolves to bare addresses, never to an old name.
     assert syms.resolve_stack(4242, [0x1000])[0].name == "0x1000"
 
 
 def test_user_symbols_stay_bounded() -> None:
     starts: dict[int, int] = {}
-    lib = _FakeBcc({})
-    syms = UserSymbols(lib, start_time=starts.get, max_processes=8, grace_s=30.0)
+    cache = _FakeElfCache()
+    syms = UserSymbols(start_time=starts.get, max_processes=8, grace_s=30.0,
+                       maps=_fake_maps(starts), elf_cache=cache)  # type: ignore[arg-type]
     for pid in range(100, 300):
         starts[pid] = pid
-        lib.images[pid] = {0x10: f"f{pid}"}
+        _fake_process(cache, starts, pid, {0x10: f"f{pid}"})
         assert syms.resolve_stack(pid, [0x10])[0].name == f"f{pid}"
         del starts[pid]  # exits right after
         assert syms.cached_processes <= 8 + 1
-    assert len(lib.freed) >= 200 - 9
 
 
 def _fork_with_pid(pid: int, argv: list[str], tries: int = 50) -> subprocess.Popen[str]:
@@ -469,7 +481,7 @@ def test_pid_reuse_never_shows_the_old_process(bpf_available: None, workloads: A
 
 @pytest.mark.bpf
 @pytest.mark.parametrize("how", ["deleted", "replaced"])
-def test_binary_deleted_or_replaced_degrades_to_module_and_address(
+def test_binary_deleted_or_replaced_keeps_its_own_names(
         bpf_available: None, workload_bin: Path, tmp_path: Path, how: str) -> None:
     exe = tmp_path / "victim"
     shutil.copy(workload_bin, exe)
@@ -496,13 +508,12 @@ def test_binary_deleted_or_replaced_degrades_to_module_and_address(
     for st in rows:
         user, modules = st["user"], st["user_modules"]
         assert user, st
-        for name, module in zip(user, modules, strict=True):
-            if module.startswith("victim"):
-                # Either still right (bcc read the old image) or degraded, never wrong.
-                ok = name in ("offtop_wl_sleep", "sleep_thread") or (
-                    name.startswith("[victim") and "+0x" in name)
-                assert ok, (name, module, user)
-        assert any(m.startswith("victim") for m in modules), modules
+        # offtop reads the image the process runs (through /proc/PID/map_files),
+        # not whatever is at the path now: the names stay right, never another
+        # build's names at the old addresses.
+        assert user[0] == "offtop_wl_sleep", (user, modules)
+        assert "sleep_thread" in user, user
+        assert modules[0] == "victim", modules
 
 
 # --- two instances ---------------------------------------------------------------------

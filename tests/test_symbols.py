@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes as ct
 from pathlib import Path
-from typing import Any
 
 from offtop.model import Frame
 from offtop.symbols import KernelSymbols, UserSymbols, strip_tracer_frames
@@ -31,57 +29,31 @@ def test_tracer_frames_only_stripped_from_the_innermost_end() -> None:
     assert [f.name for f in strip_tracer_frames(fs)] == ["__schedule", "bpf_prog_x"]
 
 
-class FakeBcc:
-    """A fake of bcc's symcache calls (UI-free unit test: no kernel involved)."""
+def test_user_symbols_resolve_this_process_through_its_maps_and_elf() -> None:
+    import ctypes
+    import os
 
-    def __init__(self, table: dict[tuple[int, int], tuple[bytes, bytes]]) -> None:
-        self.table = table  # (cache id, addr) -> (name, module)
-        self.opened: list[int] = []
-        self.freed: list[int] = []
-        self.next = 1
-
-    def bcc_symcache_new(self, pid: int, opts: Any) -> int:
-        self.opened.append(pid)
-        self.next += 1
-        return self.next
-
-    def bcc_symcache_resolve(self, cache: int, addr: Any, sym: Any) -> int:
-        entry = self.table.get((cache, addr.value))
-        if entry is None:
-            return -1
-        name, module = entry
-        sym = sym._obj
-        sym.name = name
-        sym.module = ct.cast(ct.c_char_p(module), ct.POINTER(ct.c_char))
-        self._keep = module
-        return 0
-
-    def bcc_free_symcache(self, cache: int, pid: int) -> None:
-        self.freed.append(pid)
+    libc = ctypes.CDLL("libc.so.6")
+    getpid = ctypes.cast(libc.getpid, ctypes.c_void_p).value
+    assert getpid
+    u = UserSymbols()
+    frames = u.resolve_stack(os.getpid(), [getpid + 1, 0x10])
+    assert frames[0].name in ("getpid", "__getpid") and frames[0].module == "libc.so.6"
+    assert frames[1].name == "0x10" and frames[1].unknown  # in no mapping
+    assert u.misses == 1
 
 
-def test_user_symbols_never_cross_a_reused_pid() -> None:
-    starts = {42: 1000}
-    clock = [0.0]
-    fake = FakeBcc({(2, 0x10): (b"old_fn", b"/bin/old"), (3, 0x10): (b"new_fn", b"/bin/new")})
-    u = UserSymbols(fake, clock=lambda: clock[0], start_time=starts.get, grace_s=5)
-    assert [f.name for f in u.resolve_stack(42, [0x10])] == ["old_fn"]
-    assert u.resolve_stack(42, [0x10])[0].module == "old"
-    starts[42] = 2000  # the pid now belongs to a new process
-    assert [f.name for f in u.resolve_stack(42, [0x10])] == ["new_fn"]
-    assert fake.freed == [42]
+def test_read_maps_keeps_executable_file_mappings(tmp_path: Path) -> None:
+    from offtop.symbols import read_maps
 
-
-def test_user_symbols_degrade_and_evict_dead_processes() -> None:
-    starts: dict[int, int] = {7: 1}
-    clock = [0.0]
-    fake = FakeBcc({(2, 0x10): (b"fn", b"/bin/x")})
-    u = UserSymbols(fake, clock=lambda: clock[0], start_time=starts.get, grace_s=5)
-    assert u.resolve_stack(7, [0x10, 0x20])[1].name == "0x20"  # unresolvable address
-    del starts[7]  # the process exits
-    assert u.resolve_stack(7, [0x10])[0].name == "fn"  # resolved while alive: kept
-    assert u.resolve_stack(7, [0x30])[0].name == "0x30"  # new address after death: degraded
-    clock[0] = 10.0
-    assert u.evict() == 1 and u.cached_processes == 0
-    assert u.resolve_stack(99, [0x10])[0].name == "0x10"  # never seen alive
-    assert u.misses >= 3
+    (tmp_path / "77").mkdir()
+    (tmp_path / "77" / "maps").write_text(
+        "55d0a000-55d0b000 r--p 00000000 fe:00 12 /usr/bin/app\n"
+        "55d0b000-55d0c000 r-xp 00001000 fe:00 12 /usr/bin/app\n"
+        "7f00000-7f01000 r-xp 00000000 00:00 0 [vdso]\n"
+        "7f10000-7f11000 r-xp 00002000 fe:00 13 /tmp/gone (deleted)\n"
+    )
+    maps = read_maps(77, proc=str(tmp_path))
+    assert [(m.start, m.offset, m.module) for m in maps] == [
+        (0x7F10000, 0x2000, "gone"), (0x55D0B000, 0x1000, "app")]
+    assert maps[1].handle == f"{tmp_path}/77/map_files/55d0b000-55d0c000"
