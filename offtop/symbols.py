@@ -118,7 +118,7 @@ class Mapping:
 
 def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:
     """Executable file mappings of a process, sorted by address ([] if it is gone)."""
-    out = []
+    out: list[Mapping] = []
     try:
         with open(f"{proc}/{pid}/maps") as f:
             lines = f.read().splitlines()
