@@ -152,3 +152,15 @@ def wait_until(pred: Any, timeout: float = 5.0, step: float = 0.05) -> bool:
             return True
         time.sleep(step)
     return bool(pred())
+
+
+def remove_cgroup(d: Path, tries: int = 50) -> None:
+    """rmdir a test cgroup, retrying while its last tasks are still leaving."""
+    for _ in range(tries):
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import offtop_json, task_of
+from tests.conftest import offtop_json, remove_cgroup, task_of
 
 pytestmark = [pytest.mark.bpf, pytest.mark.usefixtures("bpf_available")]
 
@@ -84,24 +84,20 @@ def test_vfork_parent_waits_in_d_state(workloads: Any) -> None:
     assert st["user"][0] == "offtop_wl_vfork_wait", st["user"]
 
 
-def test_pipe_reader_blocks_in_pipe_read(workloads: Any) -> None:
-    w = workloads("pipe", "50")
+@pytest.mark.parametrize(("mode", "function", "kernel_part"), [
+    ("pipe", "offtop_wl_pipe_read", "pipe_read"),
+    ("futex", "offtop_wl_futex_wait", "futex"),
+])
+def test_waiter_blocks_in_its_function(workloads: Any, mode: str, function: str,
+                                       kernel_part: str) -> None:
+    """A pipe reader and a futex waiter, woken every 50 ms: S, in their own functions."""
+    w = workloads(mode, "50")
     snaps = steady(offtop_json("-p", str(w.pid), count=3))
     assert offcpu_fraction(snaps, w.tid) >= 0.9
     st = dominant_stack(snaps, w.tid)
     assert st["state"] == "S"
-    assert st["user"][0] == "offtop_wl_pipe_read", st["user"]
-    assert any("pipe_read" in f for f in st["kernel"]), st["kernel"]
-
-
-def test_futex_waiter_blocks_in_futex_wait(workloads: Any) -> None:
-    w = workloads("futex", "50")
-    snaps = steady(offtop_json("-p", str(w.pid), count=3))
-    assert offcpu_fraction(snaps, w.tid) >= 0.9
-    st = dominant_stack(snaps, w.tid)
-    assert st["state"] == "S"
-    assert st["user"][0] == "offtop_wl_futex_wait", st["user"]
-    assert any("futex" in f for f in st["kernel"]), st["kernel"]
+    assert st["user"][0] == function, st["user"]
+    assert any(kernel_part in f for f in st["kernel"]), st["kernel"]
 
 
 def test_busy_spinner_is_about_zero(workloads: Any) -> None:
@@ -239,12 +235,7 @@ def cgroup_tree() -> Iterator[tuple[Path, Path, Path]]:
     grand.mkdir(parents=True)
     yield parent, child, grand
     for d in (grand, child, parent):
-        for _ in range(50):
-            try:
-                d.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(d)
 
 
 def _join(cg: Path) -> Any:

@@ -25,7 +25,7 @@ import pytest
 from offtop.bpf import environment
 from offtop.bpf.environment import EnvironmentProblem, HeaderChoice, find_kernel_headers
 from offtop.cgroups import CgroupError, cgroup2_mounts, resolve_cgroup
-from tests.conftest import REQUIRE_BPF, ROOT, offtop_json, run_offtop, task_of
+from tests.conftest import REQUIRE_BPF, ROOT, offtop_json, remove_cgroup, run_offtop, task_of
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
 
@@ -205,14 +205,7 @@ def make_cgroup() -> Iterator:
 
     yield make
     for d in reversed(made):
-        for _ in range(50):
-            try:
-                d.rmdir()
-                break
-            except OSError:
-                import time
-
-                time.sleep(0.1)
+        remove_cgroup(d)
 
 
 def _move(pid: int, cgroup: Path) -> None:
