@@ -400,7 +400,8 @@ class OfftopApp(App[int]):
             log = self.query_one(LongBlocksLog)
             log.add_blocks(blocks, show_kernel=self.show_kernel, show_user=self.show_user)
             log.border_title = f"Long blocks ≥ {format_ns(snap.threshold_ns)}"
-            log.border_subtitle = f"{log.total:,} seen"
+            skipped = f", {log.skipped:,} not listed (flood)" if log.skipped else ""
+            log.border_subtitle = f"{log.total:,} seen{skipped}"
 
     def _advance_blocked(self) -> None:
         """Let the blocked-now waits grow between snapshots."""

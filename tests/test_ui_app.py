@@ -494,8 +494,12 @@ async def test_blocked_now_waits_grow_and_enter_selects_the_task() -> None:
         cell = blocked.get_cell(f"t{first.tid}", "wait")
         assert "1.70s" in str(cell)
         clock.now += 2.0
-        await pilot.pause(0.4)
-        cell = blocked.get_cell(f"t{first.tid}", "wait")
+        # The waits are re-drawn by a timer: give it time on a loaded machine.
+        for _ in range(50):
+            await pilot.pause(0.1)
+            cell = blocked.get_cell(f"t{first.tid}", "wait")
+            if "3.70s" in str(cell):
+                break
         assert "3.70s" in str(cell)
         blocked.focus()
         await pilot.press("enter")

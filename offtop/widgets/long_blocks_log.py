@@ -37,18 +37,25 @@ class LongBlocksLog(RichLog):
     """The last `MAX_LINES` long blocks, one line each (untrusted text as `Text`)."""
 
     MAX_LINES: ClassVar[int] = 500
+    #: Lines written per update. Each write costs a layout pass, and under an
+    #: event flood (threshold 0) hundreds arrive per interval: writing them all
+    #: kept the app busy for seconds, keys included. Only the newest are shown;
+    #: the others are counted in `skipped`.
+    MAX_PER_UPDATE: ClassVar[int] = 100
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(max_lines=self.MAX_LINES, min_width=20, wrap=False, markup=False,
                          highlight=False, auto_scroll=True, id=id, classes=classes)
         self.total = 0
+        self.skipped = 0
 
     def add_blocks(self, blocks: Iterable[LongBlock], *, show_kernel: bool = True,
                    show_user: bool = True) -> int:
-        """Append blocks in arrival order; returns how many were added."""
-        n = 0
-        for block in blocks:
+        """Append the newest blocks in arrival order; returns how many were written."""
+        items = list(blocks)
+        shown = items[-self.MAX_PER_UPDATE:]
+        for block in shown:
             self.write(long_block_line(block, show_kernel=show_kernel, show_user=show_user))
-            n += 1
-        self.total += n
-        return n
+        self.total += len(items)
+        self.skipped += len(items) - len(shown)
+        return len(shown)
