@@ -7,8 +7,10 @@ check in the tests keeps them honest. Nothing here talks to the kernel.
 from __future__ import annotations
 
 import ctypes as ct
+import itertools
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 # Normalized prev_state bits (offcpu.c ST_*; the kernel's TASK_REPORT order).
 STATE_BITS: dict[int, str] = {
@@ -61,18 +63,48 @@ def state_mask(letters: str) -> int:
 
 
 class StartRecord(ct.Structure):
-    """Mirrors `struct start_rec` in offcpu.c (ts == 0: not blocked now)."""
+    """Mirrors `struct start_rec` in offcpu.c (ts == 0: not blocked now; tid == 0: free)."""
 
     _fields_ = [
         ("ts", ct.c_uint64),
         ("cgroup_id", ct.c_uint64),
+        ("tid", ct.c_uint64),
         ("tgid", ct.c_uint32),
         ("state", ct.c_uint32),
         ("ustack", ct.c_int32),
         ("kstack", ct.c_int32),
         ("skip", ct.c_uint32),
-        ("pad", ct.c_uint32),
+        ("cg_gen", ct.c_uint32),
     ]
+
+
+# Where start_rec.tid sits, for scanning and freeing slots of offcpu_slots.
+START_TID_OFFSET = StartRecord.tid.offset
+_U64 = struct.Struct("<Q")
+
+
+def owned_slots(buf: Any, slots: int) -> list[tuple[int, StartRecord]]:
+    """(slot index, record) of every taken slot in offcpu_slots' raw bytes.
+
+    `buf` is the mmap of the array (`slots` records back to back). The tid
+    column is read with one strided view, so only taken slots cost Python.
+    """
+    size = ct.sizeof(StartRecord)
+    words = memoryview(buf)[: slots * size].cast("Q")
+    tids = words[START_TID_OFFSET // 8:: size // 8]
+    return [(i, StartRecord.from_buffer_copy(buf, i * size))
+            for i in itertools.compress(range(slots), tids)]
+
+
+def free_slot(buf: Any, index: int, tid: int) -> None:
+    """Give back slot `index` if it still holds `tid` (a thread gone for good).
+
+    One aligned 8-byte store; the probe claims slots with a compare-and-swap
+    on this word, so it either sees the slot still held or free.
+    """
+    at = index * ct.sizeof(StartRecord) + START_TID_OFFSET
+    if _U64.unpack_from(buf, at)[0] == tid:
+        _U64.pack_into(buf, at, 0)
 
 
 class AggKey(ct.Structure):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes as ct
+import mmap
 import os
 import time
 from collections import deque
@@ -26,6 +27,8 @@ from offtop.bpf.decode import (
     EVENT_STRUCT,
     StartRecord,
     decode_comm,
+    free_slot,
+    owned_slots,
     state_mask,
     state_name,
 )
@@ -92,7 +95,7 @@ class EngineConfig:
             "OFFTOP_FILTER_CGROUP": int(self.cgroup is not None),
             "OFFTOP_SELF_TGID": os.getpid() if self.exclude_self else 0,
             "OFFTOP_STACK_ENTRIES": self.stack_entries,
-            "OFFTOP_START_ENTRIES": self.start_entries,
+            "OFFTOP_SLOTS": self.start_entries,
             "OFFTOP_AGG_ENTRIES": self.agg_entries,
             "OFFTOP_KSTACK_DEPTH": self.kstack_depth,
             "OFFTOP_USTACK_DEPTH": self.ustack_depth,
@@ -127,6 +130,7 @@ class BpfSource:
         self._threshold_ns = config.threshold_ns
         self._bpf: Any = None
         self._tables: dict[str, Any] = {}
+        self._slots_mm: mmap.mmap | None = None
         self._ring: PerfRing | None = None
         self._ksyms: KernelSymbols | None = None
         self._usyms: UserSymbols | None = None
@@ -257,6 +261,9 @@ class BpfSource:
             self._ring = None
         if self._usyms is not None:
             self._usyms.close()
+        if self._slots_mm is not None:
+            self._slots_mm.close()
+            self._slots_mm = None
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
@@ -290,6 +297,10 @@ class BpfSource:
         self._prog_fd = b.funcs[PROBE_FUNCTION].fd if PROBE_FUNCTION in b.funcs else -1
         # offcpu.c CFG_ARMED: the program records nothing until the maps above are set.
         self._table("offtop_config")[ct.c_int(1)] = ct.c_uint64(1)
+        # offcpu.c's per-thread records, mapped: blocked-now is read from memory.
+        slots = self._table("offcpu_slots")
+        self._slots_mm = mmap.mmap(slots.map_fd, self.config.start_entries * ct.sizeof(StartRecord),
+                                   mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def _set_perf_fd(self, cpu: int, fd: int) -> None:
         table = self._table("offcpu_events")
@@ -523,21 +534,25 @@ class BpfSource:
     # --- the snapshot -------------------------------------------------------
 
     def _blocked_now(self) -> tuple[list[BlockedNow], set[tuple[str, int]]]:
-        """Tasks asleep right now, from the start map; and the stack ids they hold."""
+        """Tasks asleep right now, from the per-thread records; and the stack ids they hold."""
         now_ns = time.monotonic_ns()
         rows: list[tuple[int, int, StartRecord]] = []
         live: set[tuple[str, int]] = set()
         table = self._table("offcpu_start")
-        stale: list[int] = []
+        stale: list[tuple[int, int]] = []  # (tid, slot index; -1: the overflow hash)
         # offcpu.c keeps one record per live thread; ts == 0: not blocked now.
         # Records of exited threads are dropped by the probe (sched_process_free);
         # now and then, reap any that a missed event left behind.
         reap_idle = self._seq % 30 == 0
-        for k, v in table.items_lookup_batch():
-            tid = k if isinstance(k, int) else k.value
+        assert self._slots_mm is not None
+        records: list[tuple[int, StartRecord, int]] = [
+            (v.tid, v, i) for i, v in owned_slots(self._slots_mm, self.config.start_entries)]
+        records += [(k if isinstance(k, int) else k.value, v, -1)
+                    for k, v in table.items_lookup_batch()]
+        for tid, v, slot in records:
             if v.ts == 0:
                 if reap_idle and not os.path.exists(f"/proc/{v.tgid}/task/{tid}"):
-                    stale.append(tid)
+                    stale.append((tid, slot))
                 continue
             if v.ustack >= 0:
                 live.add(("u", v.ustack))
@@ -547,14 +562,18 @@ class BpfSource:
             if waited >= self.config.blocked_min_ns:
                 rows.append((waited, tid, v))
             if waited > 10_000_000_000 and not os.path.exists(f"/proc/{v.tgid}/task/{tid}"):
-                stale.append(tid)  # exited while asleep: never switched in again
-        for tid in stale:
-            with contextlib.suppress(KeyError):
-                del table[table.Key(tid)]
+                stale.append((tid, slot))  # exited while asleep: never switched in again
+        for tid, slot in stale:
+            if slot >= 0:
+                free_slot(self._slots_mm, slot, tid)
+            else:
+                with contextlib.suppress(KeyError):
+                    del table[table.Key(tid)]
+        gone = {tid for tid, _ in stale}
         rows.sort(key=lambda r: -r[0])
         out = []
         for waited, tid, v in rows[: self.config.blocked_max]:
-            if tid in stale:
+            if tid in gone:
                 continue
             out.append(
                 BlockedNow(

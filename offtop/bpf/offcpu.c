@@ -12,11 +12,15 @@
 // a kernel struct, so any kernel header tree compiles it for any kernel.
 //
 // Cost: this runs on every context switch of the machine, so the common path
-// is kept to two map lookups (next's record, prev's record), one aggregate
+// is kept to two array slots (next's record, prev's record), one aggregate
 // update and one clock read. Each thread keeps one record for its whole life
 // (the timestamp is cleared, not the entry deleted, when it runs again), and
 // whether a thread is ever recorded (kernel thread? offtop itself? outside
 // -p/-t?) is decided once, at its first switch-out, and kept in that record.
+// Records live in an array indexed by tid (a hash lookup costs ~30 ns more per
+// switch, twice): slot tid % OFFTOP_SLOTS, or one of the next SLOT_PROBES
+// when taken by another live thread; a thread that finds none of them free
+// goes to the small offcpu_start hash instead.
 // That is exact because all three facts are fixed for a thread's life except
 // across exec (a kernel thread that execs a user-mode helper, a non-leader
 // thread that takes over the leader's pid): sched_process_exec drops the
@@ -32,7 +36,8 @@
 //   OFFTOP_FILTER_TID     1: only tids in tid_filter (or tgids in pid_filter)
 //   OFFTOP_FILTER_CGROUP  1: only tasks under cgroup_filter[0]
 //   OFFTOP_SELF_TGID      offtop's own pid, never recorded (0: record it)
-//   OFFTOP_STACK_ENTRIES, OFFTOP_START_ENTRIES, OFFTOP_AGG_ENTRIES: map sizes
+//   OFFTOP_STACK_ENTRIES, OFFTOP_AGG_ENTRIES: map sizes
+//   OFFTOP_SLOTS          per-thread record slots (offcpu_slots)
 //   OFFTOP_KSTACK_DEPTH, OFFTOP_USTACK_DEPTH: frames kept per stack
 
 // Normalized prev_state, as __trace_sched_switch_state() reports it: one bit
@@ -61,19 +66,22 @@
 // offtop_config slots, written by Python.
 #define CFG_GEN 0       // which aggregate map the program writes (0 or 1)
 #define CFG_ARMED 1     // 1 once Python has written every map the program reads
+#define CFG_CGROUP_GEN 2 // bumped by the program on every cgroup migration
 
-// One per thread seen switching out, keyed by tid. Mirrored by
-// decode.StartRecord. ts == 0: the thread is on a CPU, or was not recorded at
-// its last switch-out (state not asked for, or skip).
+// One per thread seen switching out. Mirrored by decode.StartRecord (and
+// decode.START_STRUCT, which Python scans the slot array with). ts == 0: the
+// thread is on a CPU, or was not recorded at its last switch-out (state not
+// asked for, or skip). tid == 0: a free slot.
 struct start_rec {
     u64 ts;
     u64 cgroup_id;
+    u64 tid;        // a u64: bcc's LLVM emits 64-bit compare-and-swap only
     u32 tgid;
     u32 state;
     s32 ustack;
     s32 kstack;
     u32 skip;
-    u32 pad;
+    u32 cg_gen;     // CFG_CGROUP_GEN when cgroup_id was read (~0: never)
 };
 
 // Mirrored by decode.AggKey.
@@ -122,11 +130,15 @@ BPF_PERF_OUTPUT(offcpu_events);
 BPF_TABLE("stacktrace", int, struct kstack_t, kernel_stacks, OFFTOP_STACK_ENTRIES);
 BPF_TABLE("stacktrace", int, struct ustack_t, user_stacks, OFFTOP_STACK_ENTRIES);
 
-// Per-thread records (see start_rec). A plain preallocated hash: lookups and
-// in-place writes on the hot path, an insert only at a thread's first
-// switch-out, a delete when it is freed (and Python reaps any a missed
-// sched_process_free would leave).
-BPF_HASH(offcpu_start, u32, struct start_rec, OFFTOP_START_ENTRIES);
+// Per-thread records (see start_rec and the top of this file). Mappable, so
+// Python reads blocked-now from it without a system call per slot. A slot is
+// claimed with a compare-and-swap on its tid (two threads whose slots
+// collide may switch out at once on two CPUs), and freed by
+// sched_process_free; Python frees any that a missed event left behind.
+#define SLOT_PROBES 4
+BPF_F_TABLE("array", u32, struct start_rec, offcpu_slots, OFFTOP_SLOTS, BPF_F_MMAPABLE);
+// Threads that found no free slot among their SLOT_PROBES.
+BPF_HASH(offcpu_start, u32, struct start_rec, 4096);
 
 // Two generations of aggregates: the program writes the one offtop_config
 // [CFG_GEN] names while Python drains the other, so no increment is ever lost
@@ -170,6 +182,51 @@ static __always_inline u32 normalize_state(long prev_state)
     return st;
 }
 
+static __always_inline struct start_rec *find_rec(u32 tid)
+{
+#pragma unroll
+    for (u32 i = 0; i < SLOT_PROBES; i++) {
+        u32 idx = (tid + i) % OFFTOP_SLOTS;
+        struct start_rec *r = offcpu_slots.lookup(&idx);
+        if (r && r->tid == tid)
+            return r;
+    }
+    return offcpu_start.lookup(&tid);
+}
+
+// A record for a thread that has none (find_rec() said so; only the thread
+// itself, switching out, creates its record, so it cannot appear meanwhile).
+static __always_inline struct start_rec *new_rec(u32 tid)
+{
+#pragma unroll
+    for (u32 i = 0; i < SLOT_PROBES; i++) {
+        u32 idx = (tid + i) % OFFTOP_SLOTS;
+        struct start_rec *r = offcpu_slots.lookup(&idx);
+        if (r && r->tid == 0 && __sync_val_compare_and_swap(&r->tid, 0, (u64)tid) == 0)
+            return r;
+    }
+    struct start_rec init = {};
+    init.tid = tid;
+    if (offcpu_start.insert(&tid, &init) != 0)
+        return NULL;
+    return offcpu_start.lookup(&tid);
+}
+
+static __always_inline void drop_rec(u32 tid)
+{
+#pragma unroll
+    for (u32 i = 0; i < SLOT_PROBES; i++) {
+        u32 idx = (tid + i) % OFFTOP_SLOTS;
+        struct start_rec *r = offcpu_slots.lookup(&idx);
+        if (r && r->tid == tid) {
+            r->ts = 0;
+            // Release last: a thread may claim the slot as soon as it reads 0.
+            __sync_val_compare_and_swap(&r->tid, (u64)tid, 0);
+        }
+    }
+    offcpu_start.delete(&tid);
+}
+
 // Whether a thread is never to be recorded; asked once per thread (see top).
 static __always_inline u32 never_record(void *args, u32 tgid, u32 tid)
 {
@@ -193,28 +250,29 @@ static __always_inline u32 never_record(void *args, u32 tgid, u32 tid)
 
 static __always_inline void on_switch_out(void *args, long prev_state, u64 now)
 {
-    u32 state = normalize_state(prev_state);
-    if (!(state & OFFTOP_STATE_MASK))
-        return;
-
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id, tgid = id >> 32;
     if (tid == 0)
         return;
-    struct start_rec *rec = offcpu_start.lookup(&tid);
+    // Every thread that switches out gets its record, whatever its state, so
+    // that its switch-ins find it in its slot rather than miss and look in
+    // the overflow hash.
+    struct start_rec *rec = find_rec(tid);
     if (!rec) {
-        struct start_rec init = {};
-        init.tgid = tgid;
-        init.skip = never_record(args, tgid, tid);
-        if (offcpu_start.insert(&tid, &init) != 0) {
+        rec = new_rec(tid);
+        if (!rec) {
             count(C_START_FULL);
             return;
         }
-        rec = offcpu_start.lookup(&tid);
-        if (!rec)
-            return;
+        rec->ts = 0;
+        rec->tgid = tgid;
+        rec->cg_gen = ~0U;
+        rec->skip = never_record(args, tgid, tid);
     }
     if (rec->skip)
+        return;
+    u32 state = normalize_state(prev_state);
+    if (!(state & OFFTOP_STATE_MASK))
         return;
 #if OFFTOP_FILTER_CGROUP
     // Not cached: a task can be moved to another cgroup at any time.
@@ -249,7 +307,18 @@ static __always_inline void on_switch_out(void *args, long prev_state, u64 now)
     rec->state = state;
     rec->ustack = ustack;
     rec->kstack = kstack;
-    rec->cgroup_id = bpf_get_current_cgroup_id();
+    // A thread's cgroup changes only by migration, and every migration bumps
+    // CFG_CGROUP_GEN after it is done (see the cgroup hooks below): a cgroup
+    // id read under the current generation is still the thread's. The
+    // generation is read before the id, so a migration racing with this
+    // switch-out at worst makes the next one read the id again.
+    u32 cg_slot = CFG_CGROUP_GEN;
+    u64 *cg_gen = offtop_config.lookup(&cg_slot);
+    u32 g = cg_gen ? (u32)*cg_gen : ~0U;
+    if (rec->cg_gen != g || g == ~0U) {
+        rec->cgroup_id = bpf_get_current_cgroup_id();
+        rec->cg_gen = g;
+    }
     rec->ts = now;
 }
 
@@ -257,7 +326,7 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
 {
     if (tid == 0)
         return;
-    struct start_rec *rec = offcpu_start.lookup(&tid);
+    struct start_rec *rec = find_rec(tid);
     if (!rec || rec->ts == 0)
         return;
     struct start_rec s = *rec;
@@ -347,8 +416,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
 // pid_max first, far longer than that grace period.
 TRACEPOINT_PROBE(sched, sched_process_free)
 {
-    u32 tid = args->pid;
-    offcpu_start.delete(&tid);
+    drop_rec(args->pid);
     return 0;
 }
 
@@ -358,8 +426,32 @@ TRACEPOINT_PROBE(sched, sched_process_free)
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 tid = args->pid, old = args->old_pid;
-    offcpu_start.delete(&tid);
+    drop_rec(tid);
     if (old != tid)
-        offcpu_start.delete(&old);
+        drop_rec(old);
+    return 0;
+}
+
+// Every way a task changes cgroup ends in one of these two tracepoints
+// (cgroup_attach_task for cgroup.procs/threads writes and in-kernel attaches,
+// cgroup_transfer_tasks for cgroup v1 cpuset moves); both fire once the move
+// is complete. Rare events: one atomic add each.
+static __always_inline void cgroup_moved(void)
+{
+    u32 slot = CFG_CGROUP_GEN;
+    u64 *gen = offtop_config.lookup(&slot);
+    if (gen)
+        __sync_fetch_and_add(gen, 1);
+}
+
+TRACEPOINT_PROBE(cgroup, cgroup_attach_task)
+{
+    cgroup_moved();
+    return 0;
+}
+
+TRACEPOINT_PROBE(cgroup, cgroup_transfer_tasks)
+{
+    cgroup_moved();
     return 0;
 }
