@@ -144,7 +144,7 @@ class Background:
     """
 
     def __init__(self, argv: Sequence[str], name: str, *, keep: int | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, cwd: Path = ROOT) -> None:
         self.name = name
         self.argv = list(argv)
         self.lines: list[str] = []
@@ -156,7 +156,7 @@ class Background:
         self._err = self._err_path.open("w")
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=self._err, text=True, cwd=ROOT,
+            self.argv, stdout=subprocess.PIPE, stderr=self._err, text=True, cwd=cwd,
             start_new_session=True, env={**os.environ, **(env or {})},
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -320,11 +320,14 @@ class Tracer:
     argv: tuple[str, ...] = ()
     ready: Callable[[str], bool] = lambda line: True
     is_offtop: bool = False
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: Path = ROOT
 
     def start(self) -> Background | None:
         if not self.argv:
             return None
-        bg = Background(["taskset", "-c", TRACER_CPU, *self.argv], self.name)
+        bg = Background(["taskset", "-c", TRACER_CPU, *self.argv], self.name, env=dict(self.env),
+                        cwd=self.cwd)
         try:
             bg.wait_for(self.ready, timeout=60)
         except BaseException:
@@ -342,6 +345,27 @@ def offtop_argv(*args: str, variant: Sequence[str] = ()) -> tuple[str, ...]:
 
 def offtop_tracer(name: str, label: str, *args: str, variant: Sequence[str] = ()) -> Tracer:
     return Tracer(name, label, offtop_argv(*args, variant=variant), is_offtop=True)
+
+
+def checkout(ref: str) -> Path:
+    """offtop/ as of git `ref`, unpacked under bench/out/ (for --against)."""
+    sha = subprocess.run(["git", "rev-parse", "--short", ref], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout.strip()
+    where = OUT / f"ref-{sha}"
+    if not (where / "offtop").exists():
+        where.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", sha, "offtop"], capture_output=True, cwd=ROOT,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where
+
+
+def against(t: Tracer, ref: str) -> Tracer:
+    """The same offtop configuration, run from the code of git `ref`."""
+    where = checkout(ref)
+    # Run from there: `python -m` puts the working directory first on sys.path.
+    return Tracer(f"{t.name}@{ref}", f"{t.label} @ {ref}", t.argv, is_offtop=True,
+                  env=(("PYTHONPATH", str(where)),), cwd=where)
 
 
 def bpftrace_tracer(tools: Tools) -> Tracer:
@@ -425,6 +449,7 @@ class Ctx:
     long_minutes: float | None
     variants: list[tuple[str, list[str]]] = field(default_factory=list)
     configs: list[str] | None = None
+    against: str | None = None
 
 
 def rotations(names: Sequence[str], runs: int) -> Iterator[tuple[int, list[str]]]:
@@ -457,6 +482,9 @@ def bench_switch(ctx: Ctx) -> dict[str, Any]:
     if ctx.configs:
         keep = {"none", *ctx.configs, *(name for name, _ in ctx.variants)}
         tracers = [t for t in tracers if t.name in keep]
+    if ctx.against:
+        tracers += [against(t, ctx.against) for t in tracers
+                    if t.is_offtop and not t.name.startswith(tuple(n for n, _ in ctx.variants))]
     by_name = {t.name: t for t in tracers}
     rounds_n = 50_000
     reps = 3 if ctx.quick else 5
@@ -1010,6 +1038,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="switch: also run offtop through bench/probe_variant.py ARGS [-- OFFTOP-ARGS] "
                         "(e.g. 'k16=--set kstack_depth=16'); not written to the README")
     p.add_argument("--configs", help="switch: only these configurations (comma list), plus none")
+    p.add_argument("--against", metavar="GIT-REF",
+                   help="switch: also run each offtop configuration from the code of GIT-REF "
+                        "(A/B of a change, side by side); not written to the README")
     p.add_argument("--no-readme", action="store_true", help="print only; keep results.json and README")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
@@ -1026,8 +1057,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants.append((name, spec.split()))
     tools = build()
     ctx = Ctx(tools=tools, quick=args.quick, runs=runs, long_minutes=args.long, variants=variants,
-              configs=args.configs.split(",") if args.configs else None)
-    experimental = bool(variants or args.configs)
+              configs=args.configs.split(",") if args.configs else None, against=args.against)
+    experimental = bool(variants or args.configs or args.against)
     res: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     res["machine"] = machine()
     tee = _Tee(sys.stdout)
