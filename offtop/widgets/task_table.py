@@ -110,7 +110,7 @@ class TaskTable(KeyedTable):
     ]
 
     #: Rows shown at most; the rest are counted ("N more") and found by filter.
-    MAX_ROWS: ClassVar[int] = 300
+    MAX_ROWS: ClassVar[int] = 150
 
     class SortChanged(Message):
         """The sort column or direction changed."""
