@@ -78,6 +78,42 @@ class StartRecord(ct.Structure):
     ]
 
 
+class AccRecord(ct.Structure):
+    """Mirrors `struct acc_rec` in offcpu.c (a thread's short blocks of one generation)."""
+
+    _fields_ = [
+        ("tag", ct.c_uint32),
+        ("tid", ct.c_uint32),
+        ("tgid", ct.c_uint32),
+        ("state", ct.c_uint32),
+        ("ustack", ct.c_int32),
+        ("kstack", ct.c_int32),
+        ("total_ns", ct.c_uint64),
+        ("max_ns", ct.c_uint64),
+        ("count", ct.c_uint64),
+        ("comm", ct.c_char * 16),
+    ]
+
+
+def generation_sums(buf: Any, slots: int, gen: int) -> list[AccRecord]:
+    """The per-slot sums offcpu.c filled in generation `gen` (offcpu_acc's raw bytes).
+
+    Entry slot * 2 + gen % 2 of each slot; those tagged gen + 1 are this
+    generation's, older tags were read before. One strided view of the tag
+    column, so only used entries cost Python.
+    """
+    size = ct.sizeof(AccRecord)
+    words = memoryview(buf)[: 2 * slots * size].cast("I")
+    step = size // 4
+    tags = words[(gen % 2) * step:: 2 * step]
+    want = (gen + 1) & 0xFFFFFFFF
+    out = []
+    for i in itertools.compress(range(slots), tags):
+        if tags[i] == want:
+            out.append(AccRecord.from_buffer_copy(buf, (2 * i + gen % 2) * size))
+    return out
+
+
 # Where start_rec.tid sits, for scanning and freeing slots of offcpu_slots.
 START_TID_OFFSET = StartRecord.tid.offset
 _U64 = struct.Struct("<Q")

@@ -25,9 +25,11 @@ from offtop.bpf.decode import (
     COUNTERS,
     DEFAULT_STATES,
     EVENT_STRUCT,
+    AccRecord,
     StartRecord,
     decode_comm,
     free_slot,
+    generation_sums,
     owned_slots,
     state_mask,
     state_name,
@@ -131,6 +133,7 @@ class BpfSource:
         self._bpf: Any = None
         self._tables: dict[str, Any] = {}
         self._slots_mm: mmap.mmap | None = None
+        self._acc_mm: mmap.mmap | None = None
         self._ring: PerfRing | None = None
         self._ksyms: KernelSymbols | None = None
         self._usyms: UserSymbols | None = None
@@ -188,6 +191,9 @@ class BpfSource:
                 self._set_perf_fd, pages=self.config.perf_pages,
                 wakeup_events=self.config.wakeup_events,
             )
+            # offcpu.c CFG_ARMED: the program records nothing until its maps are
+            # set and every CPU's ring is in place (else its first events fail).
+            self._table("offtop_config")[ct.c_int(1)] = ct.c_uint64(1)
         except Exception:
             self.close()
             raise
@@ -264,6 +270,9 @@ class BpfSource:
         if self._slots_mm is not None:
             self._slots_mm.close()
             self._slots_mm = None
+        if self._acc_mm is not None:
+            self._acc_mm.close()
+            self._acc_mm = None
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
@@ -295,12 +304,13 @@ class BpfSource:
             except Exception as e:
                 raise EngineError(f"cannot use cgroup {self.config.cgroup}: {e}") from None
         self._prog_fd = b.funcs[PROBE_FUNCTION].fd if PROBE_FUNCTION in b.funcs else -1
-        # offcpu.c CFG_ARMED: the program records nothing until the maps above are set.
-        self._table("offtop_config")[ct.c_int(1)] = ct.c_uint64(1)
         # offcpu.c's per-thread records, mapped: blocked-now is read from memory.
         slots = self._table("offcpu_slots")
         self._slots_mm = mmap.mmap(slots.map_fd, self.config.start_entries * ct.sizeof(StartRecord),
                                    mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        acc = self._table("offcpu_acc")
+        self._acc_mm = mmap.mmap(acc.map_fd, 2 * self.config.start_entries * ct.sizeof(AccRecord),
+                                 mmap.MAP_SHARED, mmap.PROT_READ)
 
     def _set_perf_fd(self, cpu: int, fd: int) -> None:
         table = self._table("offcpu_events")
@@ -422,16 +432,23 @@ class BpfSource:
     def _flip_and_drain(self) -> None:
         """Switch the program to the other aggregate map, then drain the idle one."""
         old = self._gen
-        self._gen ^= 1
+        self._gen += 1  # offcpu.c CFG_GEN: a counter; its parity picks map and slot sums
         self._table("offtop_config")[ct.c_int(0)] = ct.c_uint64(self._gen)
         # sched_switch runs its programs with interrupts off: one that read the
         # old generation finishes within microseconds of the flip.
         time.sleep(0.0005)
-        table = self._table(f"offcpu_agg{old}")
+        table = self._table(f"offcpu_agg{old & 1}")
         for k, v in table.items_lookup_and_delete_batch():
             self._interval.samples.append(
                 self._sample(k.tgid, k.tid, k.state, k.ustack, k.kstack,
                              v.total_ns, v.count, v.max_ns, v.comm, False)
+            )
+        # Short blocks the probe summed in the threads' own slots (offcpu_acc).
+        assert self._acc_mm is not None
+        for a in generation_sums(self._acc_mm, self.config.start_entries, old):
+            self._interval.samples.append(
+                self._sample(a.tgid, a.tid, a.state, a.ustack, a.kstack,
+                             a.total_ns, a.count, a.max_ns, a.comm, False)
             )
 
     def _sample(self, tgid: int, tid: int, st: int, us: int, ks: int, total: int,

@@ -64,7 +64,7 @@
 #define C_MAX 12
 
 // offtop_config slots, written by Python.
-#define CFG_GEN 0       // which aggregate map the program writes (0 or 1)
+#define CFG_GEN 0       // aggregate generation: counts up; its parity picks the maps
 #define CFG_ARMED 1     // 1 once Python has written every map the program reads
 #define CFG_CGROUP_GEN 2 // bumped by the program on every cgroup migration
 
@@ -82,6 +82,22 @@ struct start_rec {
     s32 kstack;
     u32 skip;
     u32 cg_gen;     // CFG_CGROUP_GEN when cgroup_id was read (~0: never)
+};
+
+// A thread's short blocks of one generation, summed in its own slot while
+// they keep the same state and stacks (the common case: a thread blocking in
+// one place); the rest go to the aggregate hash. Mirrored by decode.AccRecord.
+struct acc_rec {
+    u32 tag;        // CFG_GEN + 1 of the generation it holds (0: never used)
+    u32 tid;
+    u32 tgid;
+    u32 state;
+    s32 ustack;
+    s32 kstack;
+    u64 total_ns;
+    u64 max_ns;
+    u64 count;
+    char comm[16];
 };
 
 // Mirrored by decode.AggKey.
@@ -139,6 +155,13 @@ BPF_TABLE("stacktrace", int, struct ustack_t, user_stacks, OFFTOP_STACK_ENTRIES)
 BPF_F_TABLE("array", u32, struct start_rec, offcpu_slots, OFFTOP_SLOTS, BPF_F_MMAPABLE);
 // Threads that found no free slot among their SLOT_PROBES.
 BPF_HASH(offcpu_start, u32, struct start_rec, 4096);
+#define NO_SLOT 0xffffffff
+
+// Per-slot sums of short blocks, two per slot (index slot * 2 + generation
+// parity): the program fills the current generation's while Python reads the
+// previous one's, exactly as with offcpu_agg0/1 below. Mapped, so Python
+// reads a generation with one pass over memory.
+BPF_F_TABLE("array", u32, struct acc_rec, offcpu_acc, OFFTOP_SLOTS * 2, BPF_F_MMAPABLE);
 
 // Two generations of aggregates: the program writes the one offtop_config
 // [CFG_GEN] names while Python drains the other, so no increment is ever lost
@@ -182,16 +205,26 @@ static __always_inline u32 normalize_state(long prev_state)
     return st;
 }
 
-static __always_inline struct start_rec *find_rec(u32 tid)
+// The record of `tid` and its slot index (NO_SLOT: in the overflow hash).
+static __always_inline struct start_rec *find_rec_at(u32 tid, u32 *slot)
 {
 #pragma unroll
     for (u32 i = 0; i < SLOT_PROBES; i++) {
         u32 idx = (tid + i) % OFFTOP_SLOTS;
         struct start_rec *r = offcpu_slots.lookup(&idx);
-        if (r && r->tid == tid)
+        if (r && r->tid == tid) {
+            *slot = idx;
             return r;
+        }
     }
+    *slot = NO_SLOT;
     return offcpu_start.lookup(&tid);
+}
+
+static __always_inline struct start_rec *find_rec(u32 tid)
+{
+    u32 slot;
+    return find_rec_at(tid, &slot);
 }
 
 // A record for a thread that has none (find_rec() said so; only the thread
@@ -248,10 +281,9 @@ static __always_inline u32 never_record(void *args, u32 tgid, u32 tid)
     return 0;
 }
 
-static __always_inline void on_switch_out(void *args, long prev_state, u64 now)
+static __always_inline void on_switch_out(void *args, u32 tid, long prev_state, u64 now)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    u32 tid = (u32)id, tgid = id >> 32;
+    // tid is the tracepoint's prev_pid (prev is current here): no helper call.
     if (tid == 0)
         return;
     // Every thread that switches out gets its record, whatever its state, so
@@ -264,6 +296,9 @@ static __always_inline void on_switch_out(void *args, long prev_state, u64 now)
             count(C_START_FULL);
             return;
         }
+        // A thread's tgid is fixed for its life; exec's de_thread, which moves
+        // a thread to another pid, drops the record (sched_process_exec).
+        u32 tgid = bpf_get_current_pid_tgid() >> 32;
         rec->ts = 0;
         rec->tgid = tgid;
         rec->cg_gen = ~0U;
@@ -303,7 +338,6 @@ static __always_inline void on_switch_out(void *args, long prev_state, u64 now)
     // switched in only after its switch-out completed (under the runqueue
     // lock), so plain stores suffice. ts goes last: Python's blocked-now
     // reader treats a record with a timestamp as complete.
-    rec->tgid = tgid;
     rec->state = state;
     rec->ustack = ustack;
     rec->kstack = kstack;
@@ -326,7 +360,8 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
 {
     if (tid == 0)
         return;
-    struct start_rec *rec = find_rec(tid);
+    u32 slot;
+    struct start_rec *rec = find_rec_at(tid, &slot);
     if (!rec || rec->ts == 0)
         return;
     struct start_rec s = *rec;
@@ -356,6 +391,42 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
         return;
     }
 
+    u32 gen_slot = CFG_GEN;
+    u64 *gen = offtop_config.lookup(&gen_slot);
+    u64 g = gen ? *gen : 0;
+    // A task runs on one CPU at a time and its tid is in both the slot sums
+    // and the hash key, so plain (non-atomic) updates never race.
+    if (slot != NO_SLOT) {
+        u32 ai = slot * 2 + (u32)(g & 1);
+        struct acc_rec *a = offcpu_acc.lookup(&ai);
+        if (a) {
+            u32 tag = (u32)g + 1;
+            if (a->tag != tag) {
+                // Free for this generation: it holds one two generations old,
+                // which Python read during the last one (or nothing).
+                a->tid = tid;
+                a->tgid = s.tgid;
+                a->state = s.state;
+                a->ustack = s.ustack;
+                a->kstack = s.kstack;
+                a->total_ns = delta;
+                a->max_ns = delta;
+                a->count = 1;
+                bpf_probe_read_kernel(&a->comm, sizeof(a->comm), next_comm);
+                a->tag = tag;
+                return;
+            }
+            if (a->tid == tid && a->state == s.state && a->ustack == s.ustack &&
+                a->kstack == s.kstack) {
+                a->total_ns += delta;
+                a->count += 1;
+                if (delta > a->max_ns)
+                    a->max_ns = delta;
+                return;
+            }
+        }
+    }
+
     struct agg_key key = {};
     key.tgid = s.tgid;
     key.tid = tid;
@@ -363,12 +434,8 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
     key.kstack = s.kstack;
     key.state = s.state;
 
-    u32 gen_slot = CFG_GEN;
-    u64 *gen = offtop_config.lookup(&gen_slot);
     struct agg_val *val;
-    // A task runs on one CPU at a time and its tid is in the key, so plain
-    // (non-atomic) updates of one entry never race with each other.
-    if (gen && *gen) {
+    if (g & 1) {
         val = offcpu_agg1.lookup(&key);
         if (!val) {
             struct agg_val init = {};
@@ -406,7 +473,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
         return 0;
     u64 now = bpf_ktime_get_ns();
     on_switch_in(args, args->next_pid, args->next_comm, now);
-    on_switch_out(args, args->prev_state, now);
+    on_switch_out(args, args->prev_pid, args->prev_state, now);
     return 0;
 }
 
