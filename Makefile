@@ -8,7 +8,7 @@ ARCH := $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
 SYSTEM_PKGS := python3-bpfcc python3-venv linux-headers-$(ARCH) gcc libc6-dev tmux bpftool
 ARGS ?=
 
-.PHONY: run test setup system lint bench
+.PHONY: run test setup system lint bench bench-system
 run: setup
 	@$(VENV)/bin/offtop $(ARGS)
 
@@ -18,8 +18,13 @@ test: setup
 lint: setup
 	@$(VENV)/bin/ruff check offtop tests bench && $(VENV)/bin/mypy offtop
 
-bench: setup
+#   make bench [ARGS="--quick"]            benchmarks (bench/README.md); needs root
+bench: setup bench-system
 	@$(VENV)/bin/python bench/run.py $(ARGS)
+
+# Benchmarks only: bpftrace, the tool offtop's cost is compared with.
+bench-system:
+	@$(MAKE) --no-print-directory system SYSTEM_PKGS="bpftrace"
 
 setup: system $(VENV)/.stamp-install
 

@@ -693,7 +693,8 @@ def bench_cpu(ctx: Ctx) -> dict[str, Any]:
                         cpu[mode].append(measure_cpu(bg.proc.pid, seconds))
                     finally:
                         bg.stop()
-                    stats = [s["stats"] for s in snapshots(bg)[1:]]
+                    # Intervals whose stats window was sampled (not the last, cut short).
+                    stats = [s["stats"] for s in snapshots(bg)[1:] if s["stats"]["probe_runs"]]
                     switches.extend(s["switches_per_s"] for s in stats)
                     probe_pct.extend(s["probe_cpu_pct"] for s in stats)
                 else:
@@ -723,14 +724,14 @@ def bench_cpu(ctx: Ctx) -> dict[str, Any]:
 # --- 4. start-up ----------------------------------------------------------------
 
 
-PHASES = (
-    ("interpreter", "Python start-up"),
-    ("import", "import offtop"),
-    ("environment", "environment checks"),
-    ("bcc_import", "import bcc"),
-    ("compile_load", "bcc compile + load + attach"),
-    ("start", "maps, perf ring, symbols"),
-    ("first_snapshot", "first interval"),
+PHASES = (  # (mark, label, short label for the table)
+    ("interpreter", "Python start-up", "python"),
+    ("import", "import offtop", "import"),
+    ("environment", "environment checks", "checks"),
+    ("bcc_import", "import bcc", "bcc import"),
+    ("compile_load", "bcc compile + load + attach", "compile+load"),
+    ("start", "maps, perf ring, symbols", "maps+rings+symbols"),
+    ("first_snapshot", "first interval", "first interval"),
 )
 
 
@@ -738,7 +739,7 @@ def bench_startup(ctx: Ctx) -> dict[str, Any]:
     """Launch to the first JSON line of --count 1, alternating with a phase-timed run."""
     plain: list[float] = []
     timed: list[float] = []
-    phases: dict[str, list[float]] = {k: [] for k, _ in PHASES}
+    phases: dict[str, list[float]] = {k: [] for k, _, _ in PHASES}
     args = ["--batch", "--format", "json", "--count", "1"]
     say(f"startup: {ctx.runs} rounds x (plain, phase-timed)")
     for r, order in rotations(["plain", "timed"], ctx.runs):
@@ -760,7 +761,7 @@ def bench_startup(ctx: Ctx) -> dict[str, Any]:
                 text = (OUT / "startup-timed.stderr").read_text().strip().splitlines()
                 marks = json.loads(text[-1])
                 prev = 0.0
-                for k, _ in PHASES:
+                for k, _, _ in PHASES:
                     at = marks.get(k, prev)
                     phases[k].append(at - prev)
                     prev = at
@@ -770,7 +771,7 @@ def bench_startup(ctx: Ctx) -> dict[str, Any]:
     d = Dist(tuple(plain))
     print(f"   launch to first snapshot: {d.fmt(digits=3, unit=' s')}   (target <= 1.5 s)")
     print(f"   breakdown (phase-timed runs, medians; first interval is {first_interval} s):")
-    for k, label in PHASES:
+    for k, label, _ in PHASES:
         print(f"     {label:30} {Dist(tuple(phases[k])).fmt(scale=1e-3, unit=' ms')}")
     return {"runs": ctx.runs, "first_snapshot_s": d.json(),
             "timed_first_snapshot_s": Dist(tuple(timed)).json(),
@@ -895,7 +896,7 @@ def machine() -> str:
         m = re.search(r'^PRETTY_NAME="?([^"\n]*)', Path("/etc/os-release").read_text(), re.M)
         distro = m.group(1) if m else ""
     return (f"{distro}, kernel {platform.release()}, {os.cpu_count()} CPUs ({model}), {mem}"
-            + (f", {virt} VM" if virt and virt != "none" else ""))
+            + (f", virtualization: {virt}" if virt and virt != "none" else ""))
 
 
 def _dist(d: dict[str, Any] | None, scale: float = 1.0, digits: int = 0, unit: str = "") -> str:
@@ -974,8 +975,7 @@ def summary_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     if st:
         d = st["first_snapshot_s"]
         ph = st["phases_s"]
-        parts = ", ".join(f"{label.split(' ')[0] if k != 'compile_load' else 'compile'} "
-                          f"{ph[k]['median'] * 1e3:.0f}" for k, label in PHASES if k in ph)
+        parts = ", ".join(f"{short} {ph[k]['median'] * 1e3:.0f}" for k, _, short in PHASES if k in ph)
         rows.append(("4. start-up to first snapshot",
                      f"{_dist(d, 1, 2)} s (ms: {parts}; first interval {st.get('first_interval_s')} s)",
                      f"{LE} 1.5 s", yes(d["median"] <= 1.5), when("startup")))
