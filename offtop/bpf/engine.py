@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from offtop.bpf import environment
+from offtop.bpf.compiler_memory import release_compiler_memory
 from offtop.bpf.decode import (
     COUNTERS,
     DEFAULT_STATES,
@@ -34,7 +35,6 @@ from offtop.bpf.decode import (
     state_mask,
     state_name,
 )
-from offtop.bpf.compiler_memory import release_compiler_memory
 from offtop.bpf.perf_ring import PerfRing
 from offtop.model import Aggregator, BlockedNow, CaptureStats, Frame, LongBlock, Sample, Snapshot
 from offtop.procinfo import ProcessInfoCache
