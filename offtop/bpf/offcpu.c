@@ -5,27 +5,33 @@
 // switch-in of a task whose record holds a timestamp, the interval is
 // `now - timestamp`, routed to exactly one of:
 //   - >= offcpu_thresh_ns: one perf-buffer event built in a per-CPU payload;
-//   - otherwise: summed into an in-kernel hash (total, count, max).
+//   - otherwise: summed (total, count, max) in the thread's own slot, or in an
+//     in-kernel hash when its stacks or state differ from the slot's.
 // Never both, so totals never double count (perf's --off-cpu-thresh design).
 //
-// This program reads only the tracepoint's own fields and BPF helpers, never
-// a kernel struct, so any kernel header tree compiles it for any kernel.
+// This program reads the tracepoint's own fields and BPF helpers, and no
+// kernel struct whose layout varies between kernels, so any kernel header
+// tree compiles it for any kernel. (The one struct it reads, the user
+// registers saved at kernel entry, has the layout x86-64's entry code fixes.)
 //
 // Cost: this runs on every context switch of the machine, so the common path
-// is kept to two array slots (next's record, prev's record), one aggregate
-// update and one clock read. Each thread keeps one record for its whole life
-// (the timestamp is cleared, not the entry deleted, when it runs again), and
-// whether a thread is ever recorded (kernel thread? offtop itself? outside
-// -p/-t?) is decided once, at its first switch-out, and kept in that record.
-// Records live in an array indexed by tid (a hash lookup costs ~30 ns more per
-// switch, twice): slot tid % OFFTOP_SLOTS, or one of the next SLOT_PROBES
+// is two array slots (next's record, prev's record), one clock read, sums in
+// the slot, and no other helper call. Each thread keeps one record for its
+// whole life (the timestamp is cleared, not the entry deleted, when it runs
+// again), and whether a thread is ever recorded (kernel thread? offtop
+// itself? outside -p/-t?) is decided once, at its first switch-out, and kept
+// in that record. That is exact because these facts are fixed for a thread's
+// life except across exec (a kernel thread that execs a user-mode helper, a
+// non-leader thread that takes over the leader's pid): sched_process_exec
+// drops the records involved, and sched_process_free drops a record once its
+// task is gone, so a reused tid always starts afresh.
+//
+// Records live in an array indexed by tid (a hash lookup costs ~30 ns more
+// per switch, twice): slot tid % OFFTOP_SLOTS, or one of the next SLOT_PROBES
 // when taken by another live thread; a thread that finds none of them free
 // goes to the small offcpu_start hash instead.
-// That is exact because all three facts are fixed for a thread's life except
-// across exec (a kernel thread that execs a user-mode helper, a non-leader
-// thread that takes over the leader's pid): sched_process_exec drops the
-// records involved, and sched_process_free drops a record once its task is
-// gone, so a reused tid always starts afresh.
+//
+// bench/README.md has the measurements behind each of these choices.
 //
 // Compile-time knobs come from Python as -D integers, all validated there:
 //   OFFTOP_STATE_MASK     states to record, as normalized prev_state bits
@@ -80,9 +86,11 @@ struct start_rec {
     u32 state;
     s32 ustack;
     s32 kstack;
-    u32 skip;
+    u32 skip;       // REC_* flags, decided at the thread's first switch-out
     u32 cg_gen;     // CFG_CGROUP_GEN when cgroup_id was read (~0: never)
 };
+#define REC_SKIP 1      // never recorded (kernel thread, offtop itself, outside -p/-t)
+#define REC_NO_USER 2   // no user stack to walk (kernel thread, io_uring/vhost worker)
 
 // A thread's short blocks of one generation, summed in its own slot while
 // they keep the same state and stacks (the common case: a thread blocking in
@@ -144,7 +152,14 @@ BPF_PERCPU_ARRAY(offcpu_payload, struct offcpu_event, 1);
 BPF_PERF_OUTPUT(offcpu_events);
 
 BPF_TABLE("stacktrace", int, struct kstack_t, kernel_stacks, OFFTOP_STACK_ENTRIES);
+#if defined(__x86_64__)
+// User stacks are walked by this program (walk_user_stack below), and kept
+// in a hash that Python reads exactly like a stack map: id -> frames.
+BPF_HASH(user_stacks, u32, struct ustack_t, OFFTOP_STACK_ENTRIES);
+BPF_PERCPU_ARRAY(ustack_scratch, struct ustack_t, 1);
+#else
 BPF_TABLE("stacktrace", int, struct ustack_t, user_stacks, OFFTOP_STACK_ENTRIES);
+#endif
 
 // Per-thread records (see start_rec and the top of this file). Mappable, so
 // Python reads blocked-now from it without a system call per slot. A slot is
@@ -260,26 +275,112 @@ static __always_inline void drop_rec(u32 tid)
     offcpu_start.delete(&tid);
 }
 
-// Whether a thread is never to be recorded; asked once per thread (see top).
-static __always_inline u32 never_record(void *args, u32 tgid, u32 tid)
+// REC_* flags of a thread, decided once, at its first switch-out (see top).
+static __always_inline u32 classify(void *args, u32 tgid, u32 tid)
 {
+    u32 flags = 0;
 #if OFFTOP_SELF_TGID
     if (tgid == OFFTOP_SELF_TGID)
-        return 1;
+        flags |= REC_SKIP;
 #endif
 #if OFFTOP_FILTER_PID || OFFTOP_FILTER_TID
     if (!pid_filter.lookup(&tgid) && !tid_filter.lookup(&tid))
-        return 1;
+        flags |= REC_SKIP;
 #endif
-#if !OFFTOP_KTHREADS
-    // One user frame: kernel threads (and io_uring/vhost workers, which the
-    // kernel treats alike) have none, every user thread has its ip.
+#if !OFFTOP_KTHREADS || OFFTOP_USER_STACKS
+    // One user frame, by the kernel's own walker: kernel threads (and
+    // io_uring/vhost workers, which the kernel treats alike) have none, every
+    // user thread has its ip.
     u64 ip = 0;
-    if (bpf_get_stack(args, &ip, sizeof(ip), BPF_F_USER_STACK) <= 0)
-        return 1;
+    if (bpf_get_stack(args, &ip, sizeof(ip), BPF_F_USER_STACK) <= 0) {
+        flags |= REC_NO_USER;
+#if !OFFTOP_KTHREADS
+        flags |= REC_SKIP;
 #endif
-    return 0;
+    }
+#endif
+    return flags;
 }
+
+#if OFFTOP_USER_STACKS && defined(__x86_64__)
+// The user stack of the current thread, by its frame-pointer chain, as an id
+// in user_stacks (or -EFAULT/-EEXIST/-ENOMEM, as bpf_get_stackid() returns).
+//
+// Why not bpf_get_stackid(): the kernel's walker (perf_callchain_user) reads
+// frame after frame until a read faults or fp is 0, and glibc's start code
+// leaves argc in rbp below main's frame, so every walk of a main thread ended
+// by dereferencing a small integer: a page fault taken through the exception
+// tables, measured at ~0.75 us of a ~0.9 us walk. This walk is the same chain
+// (ip, then the return address of each frame) but stops, without touching
+// memory, at a frame pointer no frame can have: below the first page
+// (mmap_min_addr), not 8-byte aligned, or past the user address space.
+// 32-bit tasks go to the kernel's walker.
+static __always_inline int walk_user_stack(void *args)
+{
+    u32 zero = 0;
+    struct ustack_t *st = ustack_scratch.lookup(&zero);
+    if (!st)
+        return -12;
+    // The user registers saved at kernel entry (x86-64 struct pt_regs, whose
+    // layout entry_64.S fixes: bp at 32, ip at 128, cs at 136).
+    struct task_struct *task = bpf_get_current_task_btf();
+    char *regs = (char *)bpf_task_pt_regs(task);
+    u64 ip_cs[2] = {}, fp = 0;
+    bpf_probe_read_kernel(ip_cs, sizeof(ip_cs), regs + 128);  // ip, then cs
+    bpf_probe_read_kernel(&fp, sizeof(fp), regs + 32);
+    if ((ip_cs[1] & 3) != 3 || ip_cs[0] == 0)
+        return -14;             // not user mode: nothing to walk
+    // The id is a hash of the frames, mixed in as they are read.
+    u64 h = 0x9E3779B97F4A7C15ULL;
+    u32 n;
+    if (ip_cs[1] != 0x33) {     // not __USER_CS: a 32-bit task
+        long bytes = bpf_get_stack(args, st, sizeof(*st), BPF_F_USER_STACK);
+        if (bytes <= 0)
+            return -14;
+        n = (u64)bytes / 8;
+        h ^= n;                 // rare: a weaker id, still checked below
+    } else {
+        st->ip[0] = ip_cs[0];
+        h = (h ^ ip_cs[0]) * 0x100000001B3ULL;
+        n = 1;
+        for (u32 i = 1; i < OFFTOP_USTACK_DEPTH; i++) {
+            if (fp < 4096 || (fp & 7) || fp > 0x00007fffffffeff0ULL)
+                break;
+            u64 frame[2];       // saved fp, return address
+            if (bpf_probe_read_user(frame, sizeof(frame), (void *)fp) != 0 || frame[1] == 0)
+                break;
+            st->ip[i] = frame[1];
+            h = (h ^ frame[1]) * 0x100000001B3ULL;
+            h ^= h >> 29;
+            n = i + 1;
+            fp = frame[0];
+        }
+    }
+    if (n < OFFTOP_USTACK_DEPTH)
+        st->ip[n] = 0;          // Python reads a stack up to its first 0
+    // As a stack map: another stack already under this id is -EEXIST
+    // (counted), never a wrong answer.
+    u32 id = (u32)(h >> 32) % OFFTOP_STACK_ENTRIES;
+    struct ustack_t *have = user_stacks.lookup(&id);
+    if (!have) {
+        int err = user_stacks.insert(&id, st);
+        if (err == 0)
+            return id;
+        have = user_stacks.lookup(&id);     // inserted meanwhile on another CPU?
+        if (!have)
+            return err == -17 ? -17 : -12;
+    }
+    // Frames 0..n-1 and the terminating 0 must match.
+    for (u32 i = 0; i < OFFTOP_USTACK_DEPTH; i++) {
+        u64 a = st->ip[i], b = have->ip[i];
+        if (a != b)
+            return -17;
+        if (i >= n)
+            break;
+    }
+    return id;
+}
+#endif
 
 static __always_inline void on_switch_out(void *args, u32 tid, long prev_state, u64 now)
 {
@@ -302,9 +403,9 @@ static __always_inline void on_switch_out(void *args, u32 tid, long prev_state, 
         rec->ts = 0;
         rec->tgid = tgid;
         rec->cg_gen = ~0U;
-        rec->skip = never_record(args, tgid, tid);
+        rec->skip = classify(args, tgid, tid);
     }
-    if (rec->skip)
+    if (rec->skip & REC_SKIP)
         return;
     u32 state = normalize_state(prev_state);
     if (!(state & OFFTOP_STATE_MASK))
@@ -317,16 +418,16 @@ static __always_inline void on_switch_out(void *args, u32 tid, long prev_state, 
 
     s32 ustack = -1, kstack = -1;
 #if OFFTOP_USER_STACKS
-    ustack = user_stacks.get_stackid(args, BPF_F_USER_STACK);
-    if (ustack < 0) {
-#if !OFFTOP_KTHREADS
-        // A user thread past exit_mm() has no user stack left: as before
-        // its first sight, such a switch-out is not recorded.
-        if (ustack == -14)
-            return;
+    if (rec->skip & REC_NO_USER)
+        ustack = -14;
+    else
+#if defined(__x86_64__)
+        ustack = walk_user_stack(args);
+#else
+        ustack = user_stacks.get_stackid(args, BPF_F_USER_STACK);
 #endif
+    if (ustack < 0)
         count_stack_error(ustack, C_USTACK_EFAULT);
-    }
 #endif
 #if OFFTOP_KERNEL_STACKS
     kstack = kernel_stacks.get_stackid(args, 0);
