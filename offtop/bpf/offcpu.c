@@ -74,8 +74,8 @@
 #define CFG_ARMED 1     // 1 once Python has written every map the program reads
 #define CFG_CGROUP_GEN 2 // bumped by the program on every cgroup migration
 
-// One per thread seen switching out. Mirrored by decode.StartRecord (and
-// decode.START_STRUCT, which Python scans the slot array with). ts == 0: the
+// One per thread seen switching out. Mirrored by decode.StartRecord (Python
+// scans the slot array with decode.owned_slots). ts == 0: the
 // thread is on a CPU, or was not recorded at its last switch-out (state not
 // asked for, or skip). tid == 0: a free slot.
 struct start_rec {
@@ -156,7 +156,11 @@ BPF_TABLE("stacktrace", int, struct kstack_t, kernel_stacks, OFFTOP_STACK_ENTRIE
 // User stacks are walked by this program (walk_user_stack below), and kept
 // in a hash that Python reads exactly like a stack map: id -> frames.
 BPF_HASH(user_stacks, u32, struct ustack_t, OFFTOP_STACK_ENTRIES);
-BPF_PERCPU_ARRAY(ustack_scratch, struct ustack_t, 1);
+// One frame longer than a stack, so the terminating 0 always has a place.
+struct ustack_scratch_t { u64 ip[OFFTOP_USTACK_DEPTH + 1]; };
+BPF_PERCPU_ARRAY(ustack_scratch, struct ustack_scratch_t, 1);
+// The walk's frame count, passed through memory: see walk_user_stack().
+BPF_PERCPU_ARRAY(ustack_len, u64, 1);
 #else
 BPF_TABLE("stacktrace", int, struct ustack_t, user_stacks, OFFTOP_STACK_ENTRIES);
 #endif
@@ -318,7 +322,7 @@ static __always_inline u32 classify(void *args, u32 tgid, u32 tid)
 static __always_inline int walk_user_stack(void *args)
 {
     u32 zero = 0;
-    struct ustack_t *st = ustack_scratch.lookup(&zero);
+    struct ustack_scratch_t *st = ustack_scratch.lookup(&zero);
     if (!st)
         return -12;
     // The user registers saved at kernel entry (x86-64 struct pt_regs, whose
@@ -334,7 +338,7 @@ static __always_inline int walk_user_stack(void *args)
     u64 h = 0x9E3779B97F4A7C15ULL;
     u32 n;
     if (ip_cs[1] != 0x33) {     // not __USER_CS: a 32-bit task
-        long bytes = bpf_get_stack(args, st, sizeof(*st), BPF_F_USER_STACK);
+        long bytes = bpf_get_stack(args, st, sizeof(struct ustack_t), BPF_F_USER_STACK);
         if (bytes <= 0)
             return -14;
         n = (u64)bytes / 8;
@@ -356,14 +360,24 @@ static __always_inline int walk_user_stack(void *args)
             fp = frame[0];
         }
     }
-    if (n < OFFTOP_USTACK_DEPTH)
-        st->ip[n] = 0;          // Python reads a stack up to its first 0
+    // The verifier follows the walk loop once per way out of it, each with
+    // its own constant n, and would check everything below once per n (and
+    // the compare loop up to n times each): ~0.3 s more to load. Read back
+    // from a map, n is one unknown value and all those ways out are one.
+    u64 *len = ustack_len.lookup(&zero);
+    if (!len)
+        return -12;
+    *(volatile u64 *)len = n;
+    u64 frames = *(volatile u64 *)len;
+    if (frames > OFFTOP_USTACK_DEPTH)
+        return -22;
+    st->ip[frames] = 0;         // Python reads a stack up to its first 0
     // As a stack map: another stack already under this id is -EEXIST
     // (counted), never a wrong answer.
     u32 id = (u32)(h >> 32) % OFFTOP_STACK_ENTRIES;
     struct ustack_t *have = user_stacks.lookup(&id);
     if (!have) {
-        int err = user_stacks.insert(&id, st);
+        int err = user_stacks.insert(&id, (struct ustack_t *)st);
         if (err == 0)
             return id;
         have = user_stacks.lookup(&id);     // inserted meanwhile on another CPU?
@@ -375,7 +389,7 @@ static __always_inline int walk_user_stack(void *args)
         u64 a = st->ip[i], b = have->ip[i];
         if (a != b)
             return -17;
-        if (i >= n)
+        if (i >= frames)
             break;
     }
     return id;
