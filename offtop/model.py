@@ -23,6 +23,16 @@ STATE_NAMES: Mapping[str, str] = {
 }
 
 
+#: Marker frames: not addresses, but what is known about where a stack ends.
+#: Their names start with "[", so `Frame.unknown` is true for them.
+MARK_TRUNCATED = "[stack truncated]"
+"""Unwinding stopped at a frame that could not be trusted (it is dropped)."""
+MARK_DEPTH_LIMIT = "[depth limit]"
+"""The stack was cut at the capture's depth limit."""
+MARK_USER_STACK_LOST = "[user stack lost]"
+"""The user stack of this block could not be captured or stored."""
+
+
 @dataclass(frozen=True, slots=True)
 class Frame:
     """One resolved stack frame."""
