@@ -5,7 +5,7 @@ SHELL := /bin/bash
 PY := /usr/bin/python3
 VENV := .venv
 ARCH := $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
-SYSTEM_PKGS := python3-bpfcc python3-venv linux-headers-$(ARCH) gcc libc6-dev tmux bpftool
+SYSTEM_PKGS := python3-bpfcc python3-venv linux-headers-$(ARCH) gcc libc6-dev tmux bpftool golang-go
 ARGS ?=
 
 .PHONY: run test setup system lint bench bench-system
