@@ -38,6 +38,7 @@ from offtop.bpf.decode import (
 from offtop.bpf.perf_ring import PerfRing
 from offtop.model import Aggregator, BlockedNow, CaptureStats, Frame, LongBlock, Sample, Snapshot
 from offtop.procinfo import ProcessInfoCache
+from offtop.safe_text import decode
 from offtop.source import SourceInfo, local_info
 from offtop.symbols import KernelSymbols, UserSymbols, process_start_time
 
@@ -677,8 +678,9 @@ class BpfSource:
 
 
 def _comm_of(pid: int, tid: int) -> str:
+    # A comm is whatever bytes the task set (prctl PR_SET_NAME): not UTF-8.
     try:
-        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().rstrip("\n")
+        return decode(Path(f"/proc/{pid}/task/{tid}/comm").read_bytes().rstrip(b"\n"))
     except OSError:
         return "?"
 
