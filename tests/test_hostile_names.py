@@ -444,8 +444,9 @@ def test_batch_output_with_hostile_names(bpf_available: None, hostiles: list[Hos
             assert firsts <= {folded_name(h.raw) for h in hostiles}, sorted(firsts)
             assert any(folded_name(HOSTILE_JIT) in line for line in lines), lines
     elif scope == "pids":
-        for h in hostiles:
-            assert f"{printable(h.comm)} ({h.pid}/" in out, (h.label, out)
+        for h in hostiles:  # its task rows: PID TID COMM ...
+            row = re.compile(rf"^\s*{h.pid}\s+\d+ {re.escape(printable(h.comm))}\s", re.M)
+            assert row.search(out), (h.label, out)
         assert printable(decoded(HOSTILE_JIT)) in out, out
 
 
