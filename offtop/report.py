@@ -269,7 +269,8 @@ def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
 # --- folded -------------------------------------------------------------
 
 
-def _fold_name(name: str) -> str:
+def fold_name(name: str) -> str:
+    """A name as one frame of a folded line: escaped, no `;`, no whitespace."""
     # One line per stack: control characters escaped (a LF would split the
     # line), then flamegraph.pl's separators taken out: it splits frames on
     # ';' and the count off at the last whitespace (any, in its regex).
@@ -286,9 +287,9 @@ def folded_lines(snap: Snapshot) -> list[str]:
         us = round(s.offcpu_ns / 1000)
         if us <= 0:
             continue
-        parts = [_fold_name(s.comm)]
-        parts += [_fold_name(f.name) for f in reversed(s.user)]
-        parts += [_fold_name(f.name) for f in reversed(s.kernel)]
+        parts = [fold_name(s.comm)]
+        parts += [fold_name(f.name) for f in reversed(s.user)]
+        parts += [fold_name(f.name) for f in reversed(s.kernel)]
         lines.append(f"{';'.join(parts)} {us}")
     return lines
 
