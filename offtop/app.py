@@ -34,7 +34,7 @@ from textual.css.query import NoMatches
 from textual.message import Message
 from textual.reactive import var
 from textual.screen import Screen
-from textual.widgets import ContentSwitcher, DataTable, Input, Static
+from textual.widgets import ContentSwitcher, Input, Static
 from textual.worker import get_current_worker
 
 from offtop.model import LongBlock, ProcessRow, Snapshot, StackRow, TaskRow
@@ -46,7 +46,7 @@ from offtop.widgets.callchain_tree import CallchainTree, Path, stack_path
 from offtop.widgets.header import OfftopHeader
 from offtop.widgets.help_screen import HelpScreen, HelpSection
 from offtop.widgets.key_bar import KeyBar
-from offtop.widgets.keyed_table import KeyedTable
+from offtop.widgets.line_table import LineTable
 from offtop.widgets.long_blocks_log import LongBlocksLog
 from offtop.widgets.render import task_label, untrusted_text
 from offtop.widgets.stack_table import StackTable
@@ -621,33 +621,33 @@ class OfftopApp(App[int]):
 
     # --- widget messages ------------------------------------------------------
 
-    @on(DataTable.RowHighlighted, "#tasks")
-    def _task_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        key = event.row_key.value
-        if key == self._selected:
-            return
+    @on(LineTable.RowHighlighted, "#tasks")
+    def _task_highlighted(self, event: LineTable.RowHighlighted) -> None:
+        key = event.key
+        if key == self._selected or key != event.table.cursor_key:
+            return  # already shown, or the cursor has moved on since
         self._selected = key
         if self.drilled and not self.all_stacks:
             self._tree_owner = key
         if not self.all_stacks:
             self._refresh_stacks()
 
-    @on(DataTable.RowSelected, "#tasks")
-    def _task_selected(self, event: DataTable.RowSelected) -> None:
-        self._selected = event.row_key.value
+    @on(LineTable.RowSelected, "#tasks")
+    def _task_selected(self, event: LineTable.RowSelected) -> None:
+        self._selected = event.key
         self._drill(self._selected)
 
-    @on(DataTable.RowSelected, "#stacks")
-    def _stack_selected(self, event: DataTable.RowSelected) -> None:
-        stack = self.query_one(StackTable).stack_by_key(event.row_key.value or "")
+    @on(LineTable.RowSelected, "#stacks")
+    def _stack_selected(self, event: LineTable.RowSelected) -> None:
+        stack = self.query_one(StackTable).stack_by_key(event.key)
         if stack is None:
             return
         owner = f"t{stack.tid}" if self.all_stacks or not self._selected else self._selected
         self._drill(owner, focus=stack_path(stack, show_kernel=self.show_kernel,
                                             show_user=self.show_user))
 
-    @on(DataTable.RowSelected, "#blocked")
-    def _blocked_selected(self, event: DataTable.RowSelected) -> None:
+    @on(LineTable.RowSelected, "#blocked")
+    def _blocked_selected(self, event: LineTable.RowSelected) -> None:
         b = self.query_one(BlockedNowTable).blocked_at_cursor()
         if b is None:
             return
@@ -792,7 +792,7 @@ class OfftopApp(App[int]):
         return [
             ("Everywhere", "", self.BINDINGS),
             ("Task table", "arrows, PgUp/PgDn move too; click a header to sort by it",
-             [*TaskTable.BINDINGS, *KeyedTable.BINDINGS]),
+             [*TaskTable.BINDINGS, *LineTable.BINDINGS]),
             ("Stacks pane", "here k/u toggle frames (K/U anywhere)", StackTable.BINDINGS),
             ("Callchain tree", "Enter/space expand or collapse; Esc goes back",
              CallchainTree.BINDINGS),
