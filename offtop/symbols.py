@@ -189,7 +189,8 @@ def read_maps(pid: int, proc: str = "/proc", *, errors: Counter[str] | None = No
         except ValueError:
             continue
         path = decode(parts[5]) if len(parts) == 6 else ""
-        handle = f"{proc}/{pid}/map_files/{decode(parts[0])}" if path.startswith("/") else ""
+        # map_files names are unpadded (maps pads addresses to 8 digits).
+        handle = f"{proc}/{pid}/map_files/{start:x}-{end:x}" if path.startswith("/") else ""
         out.append(Mapping(start, end, offset, path, handle))
     if cut and errors is not None:
         errors[MAPS_TOO_LARGE] += 1
