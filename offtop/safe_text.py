@@ -35,7 +35,11 @@ def _escape(m: re.Match[str]) -> str:
 
 
 def printable(text: str) -> str:
-    """`text` with every control character replaced by a visible escape (`\\x1b`)."""
+    """`text` with every control character replaced by a visible escape (`\\x1b`).
+
+    A lone surrogate left by surrogateescape shows as the byte it stands for
+    (`\\xff`). Idempotent: what it returns has nothing left to escape.
+    """
     if text.isprintable():
         return text
     return _UNSAFE.sub(_escape, text)
