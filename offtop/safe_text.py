@@ -46,7 +46,7 @@ def printable(text: str) -> str:
 
 
 def printable_lines(text: str) -> str:
-    """`printable` line by line, keeping the line breaks (`\n` only).
+    """`printable` line by line, keeping the line breaks (`\\n` only).
 
     For multi-line messages drawn by a widget, which lays lines out itself:
     there a line break moves nothing on the terminal, and an error with a
