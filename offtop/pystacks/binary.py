@@ -90,6 +90,8 @@ def parse_elf_symbols(data: bytes | mmap.mmap, wanted: frozenset[str] = WANTED) 
     found: dict[str, int] = {}
     # .dynsym first: it is what a stripped file keeps; .symtab fills in the rest.
     for kind in (_SHT_DYNSYM, _SHT_SYMTAB):
+        if len(found) == len(wanted):
+            break  # libpython's .symtab has tens of thousands of symbols: skip it when it can
         for sh in shdrs:
             if sh[1] != kind or sh[9] != _SYM.size or sh[6] >= len(shdrs) or sh[5] > _MAX_TABLE:
                 continue

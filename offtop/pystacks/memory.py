@@ -28,6 +28,8 @@ MAX_IOV = 1024
 USER_ADDRESS_END = 1 << 47
 
 _U64 = struct.Struct("<Q")
+#: Reads up to this size go through one preallocated buffer.
+_SCRATCH = 4096
 
 
 class ReadError(OSError):
@@ -67,19 +69,31 @@ class ProcessMemory:
             raise ReadError(errno.ENOSYS, "process_vm_readv is not available")
         self.pid = pid
         self.syscalls = 0
+        # Most reads are a struct or a short string: one buffer and one pair of
+        # iovecs serve them all, so a read is a syscall and a copy, not a
+        # dozen ctypes allocations.
+        self._scratch = ctypes.create_string_buffer(_SCRATCH)
+        self._local = _Iovec(ctypes.addressof(self._scratch), 0)
+        self._remote = _Iovec(0, 0)
 
     def read(self, addr: int, size: int, min_size: int | None = None) -> bytes:
         """`size` bytes at `addr`; fewer (at least `min_size`) if the range runs into a hole."""
         need = size if min_size is None else min_size
         if size <= 0 or size > MAX_READ or not 0 < addr < USER_ADDRESS_END - size:
             raise ReadError(errno.EINVAL, f"bad read of {size} bytes at {addr:#x}")
-        buf = ctypes.create_string_buffer(size)
-        local = _Iovec(ctypes.cast(buf, ctypes.c_void_p), size)
-        remote = _Iovec(addr, size)
-        got = self._call(ctypes.byref(local), ctypes.byref(remote), 1)
+        if size <= _SCRATCH:
+            buf = self._scratch
+            self._local.iov_len = size
+            local = self._local
+        else:
+            buf = ctypes.create_string_buffer(size)
+            local = _Iovec(ctypes.addressof(buf), size)
+        self._remote.iov_base = addr
+        self._remote.iov_len = size
+        got = self._call(ctypes.byref(local), ctypes.byref(self._remote), 1)
         if got < need:
             raise ReadError(errno.EFAULT, f"short read at {addr:#x}: {got} of {need} bytes")
-        return buf.raw[:got]
+        return ctypes.string_at(buf, got)
 
     def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         """Several (addr, size) ranges in as few syscalls as possible; None for a range not read whole.
@@ -103,7 +117,7 @@ class ProcessMemory:
             for k, (_, a, s) in enumerate(batch):
                 b = ctypes.create_string_buffer(s)
                 bufs.append(b)
-                locals_[k] = _Iovec(ctypes.cast(b, ctypes.c_void_p), s)
+                locals_[k] = _Iovec(ctypes.addressof(b), s)
                 remotes[k] = _Iovec(a, s)
             try:
                 got = self._call(locals_, remotes, n)

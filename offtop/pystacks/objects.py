@@ -25,6 +25,8 @@ MAX_CHARS = 512
 MAX_LINETABLE = 64 << 10
 #: Code objects remembered per process.
 MAX_CODES = 8192
+#: (code object, instruction) -> line results remembered per process.
+MAX_LINES = 32768
 #: A first line number beyond this is not a line number.
 _MAX_LINE = 1 << 24
 
@@ -81,6 +83,9 @@ class ObjectReader:
         self.layout = layout
         self.types = types
         self._codes: OrderedDict[int, CodeInfo] = OrderedDict()
+        # A blocked thread sits at the same instruction read after read, and a
+        # location table is decoded from its start: remember the answers.
+        self._lines: dict[tuple[tuple[int, ...], int], int] = {}
 
     def string(self, addr: int) -> str:
         """A str object's text (compact strings, as all names and file names are)."""
@@ -181,6 +186,15 @@ class ObjectReader:
 
     def line(self, code: CodeInfo, position: int) -> int:
         """The line of a frame: `position` is f_lasti (3.8-3.10) or the instruction pointer (3.11+)."""
+        key = (code.identity, position)
+        line = self._lines.get(key)
+        if line is None:
+            if len(self._lines) >= MAX_LINES:
+                self._lines.clear()
+            line = self._lines[key] = self._decode_line(code, position)
+        return line
+
+    def _decode_line(self, code: CodeInfo, position: int) -> int:
         fmt = self.layout.line_format
         if fmt == "lnotab":
             return line_from_lnotab(code.linetable, code.firstlineno, position)

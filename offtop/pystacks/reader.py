@@ -50,12 +50,22 @@ class _RawFrame:
 
 
 @dataclass(frozen=True, slots=True)
+class _Gil:
+    """The GIL of one interpreter: where its struct is, and who has it."""
+
+    addr: int
+    size: int
+    locked: bool
+    holder: int
+    """The PyThreadState that took it last."""
+
+
+@dataclass(frozen=True, slots=True)
 class _ThreadState:
     addr: int
     tid: int
     first_frame: int
-    gil: tuple[int, int, bool]
-    """(address, size, held by this thread) of the GIL of its interpreter."""
+    gil: _Gil
 
 
 class ThreadReadError(Exception):
@@ -87,8 +97,8 @@ class ProcessReader:
 
     # -- thread list ---------------------------------------------------------
 
-    def _interpreters(self) -> list[tuple[int, int, tuple[int, int, int]]]:
-        """(interpreter, first thread state, (GIL address, last holder, locked)) of each interpreter."""
+    def _interpreters(self) -> list[tuple[int, int, _Gil]]:
+        """(interpreter, its first thread state, its GIL) of each interpreter."""
         lay = self.layout
         out = []
         interp = self.mem.read_u64(self.runtime + lay.runtime_interpreters_head)
@@ -112,7 +122,7 @@ class ProcessReader:
                     holder, locked = u64(raw, lay.gil_last_holder), i32(raw, lay.gil_locked)
                 except ReadError:
                     pass
-            out.append((interp, words[1], (gil, holder, locked)))
+            out.append((interp, words[1], _Gil(gil, lay.gil_size, bool(locked), holder)))
             interp = words[0]
         return out
 
@@ -154,11 +164,11 @@ class ProcessReader:
         size = max(lay.tstate_next, lay.tstate_interp, lay.tstate_thread_id, lay.tstate_frame,
                    lay.tstate_native_thread_id or 0) + 8
         tasks = self._task_ids()
-        rows: list[tuple[int, int, int, tuple[int, int, bool]]] = []
+        rows: list[tuple[int, int, int, _Gil]] = []
         seen: set[int] = set()
         problem: str | None = None
         try:
-            for interp, head, (gil, holder, locked) in self._interpreters():
+            for interp, head, gil in self._interpreters():
                 ts = head
                 while ts:
                     if not plausible_pointer(ts) or ts in seen or len(seen) >= self.max_threads:
@@ -172,8 +182,7 @@ class ProcessReader:
                         raise Inconsistent(f"thread state {ts:#x} is not of interpreter {interp:#x}")
                     ident = u64(raw, lay.tstate_native_thread_id if lay.tstate_native_thread_id is not None
                                 else lay.tstate_thread_id)
-                    rows.append((ts, ident, u64(raw, lay.tstate_frame),
-                                 (gil, lay.gil_size, bool(locked) and holder == ts)))
+                    rows.append((ts, ident, u64(raw, lay.tstate_frame), gil))
                     ts = u64(raw, lay.tstate_next)
         except Inconsistent:
             if not rows:
@@ -191,49 +200,67 @@ class ProcessReader:
 
     # -- frames --------------------------------------------------------------
 
-    def _innermost(self, ts: _ThreadState) -> int:
-        if self.layout.cframe_current_frame is None:
-            return ts.first_frame
-        cframe = ts.first_frame
-        if not cframe:
-            return 0
-        if not plausible_pointer(cframe):
-            raise Inconsistent(f"cframe pointer {cframe:#x}")
-        return self.mem.read_u64(cframe + self.layout.cframe_current_frame)
+    def _innermost(self, states: list[_ThreadState]) -> list[int | None]:
+        """The innermost frame of each thread (0: none, None: unreadable), in one batched read."""
+        current = self.layout.cframe_current_frame
+        if current is None:
+            return [ts.first_frame for ts in states]
+        # 3.11-3.12: tstate->cframe (on the thread's C stack) ->current_frame.
+        got = self.mem.read_many([(ts.first_frame + current, 8) if plausible_pointer(ts.first_frame)
+                                  else (0, 0) for ts in states])
+        return [0 if not ts.first_frame else (u64(g, 0) if g is not None else None)
+                for ts, g in zip(states, got, strict=True)]
 
-    def _walk(self, first: int, deadline: float) -> tuple[list[_RawFrame], str | None]:
+    def _parse_frame(self, raw: bytes) -> tuple[_RawFrame, int] | None:
+        """A frame's code, position and entry marks, and the next frame out; None for garbage."""
         lay = self.layout
-        out: list[_RawFrame] = []
-        seen: set[int] = set()
-        addr = first
-        while addr:
-            if len(out) >= self.max_depth:
-                return out, None
-            if self._clock() > deadline:
-                return out, TIME_LIMIT
-            if not plausible_pointer(addr) or addr in seen:
-                return out, INCONSISTENT
-            seen.add(addr)
-            try:
-                raw = self.mem.read(addr, lay.frame_read)
-            except ReadError:
-                return out, INCONSISTENT
-            if lay.frame_kind == "object":
-                if u64(raw, 8) != self.types.frame:
-                    return out, INCONSISTENT
-                # 3.8-3.10: one C-level evaluation call per frame object.
-                out.append(_RawFrame(u64(raw, lay.frame_code), i32(raw, lay.frame_lasti or 0), True, False))
-            else:
-                owner = raw[lay.frame_owner or 0]
-                entry = bool(raw[lay.frame_is_entry]) if lay.frame_is_entry is not None else False
-                shim = lay.version >= (3, 12) and owner == OWNED_BY_CSTACK
-                out.append(_RawFrame(u64(raw, lay.frame_code), u64(raw, lay.frame_instr or 0), entry, shim))
-            addr = u64(raw, lay.frame_back)
-        return out, None
+        if lay.frame_kind == "object":
+            if u64(raw, 8) != self.types.frame:
+                return None
+            # 3.8-3.10: one C-level evaluation call per frame object.
+            rf = _RawFrame(u64(raw, lay.frame_code), i32(raw, lay.frame_lasti or 0), True, False)
+        else:
+            owner = raw[lay.frame_owner or 0]
+            entry = bool(raw[lay.frame_is_entry]) if lay.frame_is_entry is not None else False
+            shim = lay.version >= (3, 12) and owner == OWNED_BY_CSTACK
+            rf = _RawFrame(u64(raw, lay.frame_code), u64(raw, lay.frame_instr or 0), entry, shim)
+        return rf, u64(raw, lay.frame_back)
 
-    def _frames(self, raw_frames: list[_RawFrame]) -> tuple[list[PyFrame], bool]:
+    def _walk(self, firsts: list[int | None], deadline: float) -> list[tuple[list[_RawFrame], str | None]]:
+        """Every thread's frame chain, walked breadth-first: one batched read per depth, not per frame."""
+        walks: list[list[_RawFrame]] = [[] for _ in firsts]
+        why: list[str | None] = [None if f is not None else INCONSISTENT for f in firsts]
+        seen: list[set[int]] = [set() for _ in firsts]
+        cursor = {i: f for i, f in enumerate(firsts) if f}
+        while cursor:
+            if self._clock() > deadline:
+                for i in cursor:
+                    why[i] = TIME_LIMIT
+                break
+            for i, addr in list(cursor.items()):
+                if len(walks[i]) >= self.max_depth:
+                    del cursor[i]
+                elif not plausible_pointer(addr) or addr in seen[i]:
+                    why[i] = INCONSISTENT  # a pointer out of user space, or a loop
+                    del cursor[i]
+            items = list(cursor.items())
+            got = self.mem.read_many([(addr, self.layout.frame_read) for _, addr in items])
+            for (i, addr), raw in zip(items, got, strict=True):
+                seen[i].add(addr)
+                parsed = None if raw is None else self._parse_frame(raw)
+                if parsed is None:
+                    why[i] = INCONSISTENT
+                    del cursor[i]
+                    continue
+                walks[i].append(parsed[0])
+                if parsed[1]:
+                    cursor[i] = parsed[1]
+                else:
+                    del cursor[i]
+        return list(zip(walks, why, strict=True))
+
+    def _frames(self, raw_frames: list[_RawFrame], headers: dict[int, bytes]) -> tuple[list[PyFrame], bool]:
         """Frames of code objects, innermost first; True when a frame could not be decoded."""
-        headers = self.objects.code_headers(list({f.code for f in raw_frames if not f.shim}))
         frames: list[PyFrame] = []
         for rf in raw_frames:
             if rf.shim:
@@ -253,7 +280,7 @@ class ProcessReader:
                                   line=self.objects.line(info, rf.position), entry=rf.entry))
         return frames, False
 
-    def waits_for_gil(self, tid: int, gil: int, gil_size: int) -> bool | None:
+    def waits_for_gil(self, tid: int, gil: _Gil) -> bool | None:
         """True when the thread is in a futex wait on the GIL's condition variable or mutex.
 
         /proc/PID/task/TID/syscall gives the syscall a sleeping thread is in
@@ -262,7 +289,7 @@ class ProcessReader:
         the GIL's struct is a wait for the GIL: take_gil's condition
         variable, its mutex, or drop_gil's switch condition.
         """
-        if self._futex_nr is None or not gil:
+        if self._futex_nr is None or not gil.addr:
             return None
         try:
             with open(f"{self._proc}/{self.pid}/task/{tid}/syscall", "rb") as f:
@@ -275,30 +302,28 @@ class ProcessReader:
             uaddr = int(fields[1], 16)
         except ValueError:
             return False
-        return int(fields[0]) == self._futex_nr and gil <= uaddr < gil + gil_size
+        return int(fields[0]) == self._futex_nr and gil.addr <= uaddr < gil.addr + gil.size
 
     def read(self, tids: Collection[int] | None, deadline: float,
              gil_waits: bool = True) -> tuple[dict[int, PyThread], str | None]:
         """The Python threads (all, or those in `tids`) and the cause of a partial read, if any."""
         states, problem = self.thread_states()
+        if tids is not None:
+            states = [ts for ts in states if ts.tid in tids]
+        walks = self._walk(self._innermost(states), deadline)
+        codes = {rf.code for walk, _ in walks for rf in walk if not rf.shim}
+        headers = self.objects.code_headers(list(codes))
         out: dict[int, PyThread] = {}
-        for ts in states:
-            if tids is not None and ts.tid not in tids:
-                continue
-            if self._clock() > deadline:
-                return out, TIME_LIMIT
-            try:
-                first = self._innermost(ts)
-            except (Inconsistent, ReadError):
-                first, problem = 0, INCONSISTENT
-            raw_frames, why = self._walk(first, deadline)
-            frames, bad = self._frames(raw_frames)
+        for ts, (raw_frames, why) in zip(states, walks, strict=True):
+            frames, bad = self._frames(raw_frames, headers)
             if bad:
                 why = why or INCONSISTENT
             problem = problem or why
-            gil, gil_size, holds = ts.gil
-            waits = None if holds or not gil_waits else self.waits_for_gil(ts.tid, gil, gil_size)
-            out[ts.tid] = PyThread(tid=ts.tid, frames=tuple(frames), holds_gil=holds,
-                                   waits_for_gil=False if holds else waits,
+            gil = ts.gil
+            holds = gil.locked and gil.holder == ts.addr
+            # Nobody waits for a GIL that is free (a waiter is about to take it).
+            waits = (self.waits_for_gil(ts.tid, gil) if gil_waits and gil.locked and not holds
+                     else False if gil.locked or holds else None)
+            out[ts.tid] = PyThread(tid=ts.tid, frames=tuple(frames), holds_gil=holds, waits_for_gil=waits,
                                    truncated=why is not None or len(raw_frames) >= self.max_depth)
         return out, problem
