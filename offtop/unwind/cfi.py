@@ -366,6 +366,8 @@ def _parse_fde(data: bytes, pos: int, end: int, cie_at: int, cies: dict[int, Cie
     size &= _MASK64
     if size == 0 or start == 0:
         return None  # a discarded function's FDE (the linker zeroes it): no code
+    if start + size > _MASK64:
+        raise CfiError("FDE range runs past the address space")
     return Fde(start, size, cie_at, data[pos:end])
 
 

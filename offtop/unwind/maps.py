@@ -37,7 +37,10 @@ def parse_maps(text: str, pid: int, proc: str = "/proc") -> list[ExecMapping]:
         except ValueError:
             continue
         if start < end:
-            out.append(ExecMapping(start, end, offset, parts[5], f"{proc}/{pid}/map_files/{parts[0]}"))
+            # map_files names have no leading zeros, unlike maps (00400000-…):
+            # a non-PIE binary's mapping is /proc/PID/map_files/400000-….
+            handle = f"{proc}/{pid}/map_files/{start:x}-{end:x}"
+            out.append(ExecMapping(start, end, offset, parts[5], handle))
     out.sort(key=lambda m: m.start)
     return out
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 from offtop.unwind.cache import TableCache
 from offtop.unwind.maps import ExecMapping as FileMapping
@@ -75,11 +76,32 @@ class UnwindLimits:
     max_stack_pages: int = 64  #: 256 KiB of stack read at most
 
 
+class WordReader(Protocol):
+    """Reads a process's memory for one walk (StackReader, or a fake in tests)."""
+
+    failures: dict[str, int]
+
+    def u64(self, addr: int) -> int | None:
+        """The 8-byte word at `addr`, None when it cannot be read."""
+
+
+def stack_reader(pid: int, limits: UnwindLimits) -> WordReader:
+    """The real memory of process `pid`, through process_vm_readv."""
+    return StackReader(pid, max_pages=limits.max_stack_pages)
+
+
+class TableSource(Protocol):
+    """Where a walk gets a file's table from (TableCache, or a fake in tests)."""
+
+    def get(self, path: str) -> FileTable | None:
+        """The table of the file at `path`, None when it has none."""
+
+
 class _Walk:
     """The state of one walk: memory, mappings, per-mapping tables."""
 
-    def __init__(self, pid: int, maps: list[FileMapping], tables: TableCache, limits: UnwindLimits) -> None:
-        self.mem = StackReader(pid, max_pages=limits.max_stack_pages)
+    def __init__(self, mem: WordReader, maps: list[FileMapping], tables: TableSource) -> None:
+        self.mem = mem
         self.maps = maps
         self.starts = [m.start for m in maps]
         self.tables = tables
@@ -109,12 +131,14 @@ class Unwinder:
     TableCache only by one thread at a time).
     """
 
-    def __init__(self, tables: TableCache | None = None, *, limits: UnwindLimits | None = None,
+    def __init__(self, tables: TableSource | None = None, *, limits: UnwindLimits | None = None,
                  maps: Callable[[int], list[FileMapping]] = read_exec_maps,
+                 memory: Callable[[int, UnwindLimits], WordReader] = stack_reader,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.tables = tables or TableCache()
+        self.tables: TableSource = tables if tables is not None else TableCache()
         self.limits = limits or UnwindLimits()
         self._read_maps = maps
+        self._memory = memory
         self._clock = clock
         self.stops: dict[str, int] = {}  #: walks by stop reason
         self.read_failures: dict[str, int] = {}  #: failed stack page reads by errno name
@@ -132,7 +156,8 @@ class Unwinder:
         """
         del tid  # the address space is the process's; kept for the callers' symmetry
         deadline = self._clock() + self.limits.time_budget_s
-        walk = _Walk(pid, self._read_maps(pid) if maps is None else maps, self.tables, self.limits)
+        walk = _Walk(self._memory(pid, self.limits), self._read_maps(pid) if maps is None else maps,
+                     self.tables)
         addrs: list[int] = []
         known: dict[int, int] = dict(regs or {})
         reason = self._walk(walk, addrs, pc, sp, bp, known, deadline)
@@ -228,7 +253,7 @@ class _Frame:
         return self.known.get(r)
 
 
-def _cfa(rule: Rule, f: _Frame, mem: StackReader) -> tuple[int | None, StopReason | None]:
+def _cfa(rule: Rule, f: _Frame, mem: WordReader) -> tuple[int | None, StopReason | None]:
     reg = f.reg
     kind = rule.cfa
     if kind == CfaKind.RSP or kind == CfaKind.RBP or kind == CfaKind.REG:
@@ -250,7 +275,7 @@ def _cfa(rule: Rule, f: _Frame, mem: StackReader) -> tuple[int | None, StopReaso
 
 
 def _saved(kind: RegKind, r: int, off: int, cfa: int, f: _Frame,
-           mem: StackReader, *, current: int | None) -> tuple[int | None, StopReason | None]:
+           mem: WordReader, *, current: int | None) -> tuple[int | None, StopReason | None]:
     """The caller's value of a register under a rule; `current` is this frame's value."""
     reg = f.reg
     if kind == RegKind.OFFSET:
