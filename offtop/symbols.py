@@ -232,7 +232,8 @@ class PerfMap:
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._names: list[str] = []
-        self.error: str | None = None  # the last problem, as a cause
+        #: Problems met so far, by cause (each counted once by UserSymbols).
+        self.errors: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -261,7 +262,7 @@ class PerfMap:
                 break
             except FileRefused as e:
                 if not e.gone:
-                    self.error = PERF_MAP_PREFIX + e.cause
+                    self.errors.add(PERF_MAP_PREFIX + e.cause)
                     return
         if f is None:
             return
@@ -271,7 +272,7 @@ class PerfMap:
                 self._reset(identity)
             limit = min(f.size, MAX_PERF_MAP_BYTES) - self._offset
             if f.size > MAX_PERF_MAP_BYTES:
-                self.error = PERF_MAP_TRUNCATED
+                self.errors.add(PERF_MAP_TRUNCATED)
             added: list[tuple[int, int, str]] = []
             try:
                 for chunk in f.chunks(start=self._offset, limit=max(0, limit)):
@@ -280,7 +281,7 @@ class PerfMap:
                     if deadline is not None and clock() >= deadline:
                         break
             except FileRefused as e:
-                self.error = PERF_MAP_PREFIX + e.cause
+                self.errors.add(PERF_MAP_PREFIX + e.cause)
         if added:
             self._add(added)
 
@@ -297,7 +298,7 @@ class PerfMap:
             self._carry = b""
         for line in lines:
             if len(line) > MAX_PERF_MAP_LINE:
-                self.error = PERF_MAP_LONG_LINE
+                self.errors.add(PERF_MAP_LONG_LINE)
                 continue
             entry = _perf_map_entry(line)
             if entry is not None and len(self._starts) + len(added) < MAX_PERF_MAP_ENTRIES:
@@ -305,7 +306,7 @@ class PerfMap:
         if self._skipping:
             return
         if len(self._carry) + len(last) > MAX_PERF_MAP_LINE:
-            self.error = PERF_MAP_LONG_LINE
+            self.errors.add(PERF_MAP_LONG_LINE)
             self._carry = b""
             self._skipping = True
         else:
@@ -537,10 +538,10 @@ class UserSymbols:
                 return None
             p.perf_map = PerfMap((f"{self._proc_root}/{pid}/root/tmp/perf-{pid}.map",
                                   f"/tmp/perf-{pid}.map"), owners={0, euid})
-        before = p.perf_map.error
+        before = set(p.perf_map.errors)
         p.perf_map.refresh(deadline, self._clock)
-        if p.perf_map.error is not None and p.perf_map.error != before:
-            self._errors[p.perf_map.error] += 1
+        for cause in p.perf_map.errors - before:
+            self._errors[cause] += 1
         return p.perf_map.lookup(addr)
 
     def evict(self, *, force: bool = False) -> int:
