@@ -246,6 +246,17 @@ async def test_plus_minus_and_home_zoom_too() -> None:
         assert graph.zoom_node == 0
 
 
+async def test_a_click_moves_the_cursor_and_a_second_one_zooms() -> None:
+    app = FlameApp(STACKS)
+    async with app.run_test(size=(100, 12)) as pilot:
+        graph = app.query_one(FlameGraph)
+        idle = node_at(graph.flame_tree, "main", "idle")
+        await pilot.click(FlameGraph, offset=(95, 3))  # line 3: depth 2, cells 90..99
+        assert graph.cursor_node == idle and graph.zoom_node == 0
+        await pilot.click(FlameGraph, offset=(95, 3))
+        assert graph.zoom_node == idle
+
+
 async def test_search_highlights_matching_bars() -> None:
     app = FlameApp(STACKS)
     async with app.run_test(size=(100, 12)) as pilot:
