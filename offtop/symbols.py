@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from offtop.elf import TIME_BUDGET, ElfCache, ElfSymbols
 from offtop.model import MARK_TRUNCATED, Frame
-from offtop.safe_files import FileRefused, open_regular, read_proc_file
+from offtop.safe_files import UNREADABLE, FileRefused, open_regular, read_proc_file
 from offtop.safe_text import decode
 
 #: Kernel frames added by the tracer itself, stripped from the innermost end.
@@ -510,18 +510,20 @@ class UserSymbols:
 
     def _file_frame(self, p: _Proc, m: Mapping, addr: int, look: int,
                     deadline: float | None) -> tuple[Frame, bool]:
-        syms = self.elf.get(m.handle, deadline=deadline)
-        if not isinstance(syms, ElfSymbols) and p.dead_since is not None \
+        # ElfCache answers a table or the cause there is none; None is taken
+        # as "unreadable" too, from caches that keep no causes.
+        syms: ElfSymbols | str | None = self.elf.get(m.handle, deadline=deadline)
+        if (syms is None or isinstance(syms, str)) and p.dead_since is not None \
                 and not m.path.endswith(" (deleted)"):
             syms = self.elf.get(m.path, deadline=deadline)  # map_files are gone with the process
-        if isinstance(syms, ElfSymbols):
+        if syms is None or isinstance(syms, str):
+            cause = syms or UNREADABLE
+        else:
             vaddr = syms.vaddr_of(look - m.start + m.offset)
             name = syms.lookup(vaddr) if vaddr is not None else None
             if name is not None:
                 return Frame(name=name, module=m.module, kernel=False), True
             cause = NO_SYMBOL
-        else:
-            cause = syms if isinstance(syms, str) else "unreadable"
         self._miss(cause)
         frame = Frame(name=f"{m.module}+0x{addr - m.start + m.offset:x}", module=m.module, kernel=False)
         return frame, cause != TIME_BUDGET
