@@ -638,6 +638,37 @@ def test_no_frame_pointer_program_unwinds_three_calls_deep(nofp_bin: Path, mode:
     assert u.stops == {"outermost": 1} and not u.read_failures
 
 
+def _gdb_rbp(pid: int) -> int:
+    out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "p/x $rbp"], capture_output=True,
+                         text=True, timeout=120).stdout
+    m = re.search(r"= (0x[0-9a-f]+)", out)
+    assert m, out
+    return int(m.group(1), 16)
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed (Debian's gdb)")
+@pytest.mark.skipif(os.geteuid() != 0, reason="gdb must attach to a process that is not its child: root")
+def test_frame_pointer_code_stops_without_rbp_and_completes_with_it(tmp_path: Path) -> None:
+    # With frame pointers, unwind_f3's CFA is rbp + 16; libc's read wrapper
+    # does not save rbp, so the walk cannot know it: it must stop there, not guess.
+    exe = tmp_path / "fp"
+    subprocess.run(["gcc", "-O2", "-fno-omit-frame-pointer", "-g", "-pthread", "-o", str(exe), str(NOFP_SRC)],
+                   check=True)
+    with blocked([str(exe), "read"], ready_line=True) as (pid, tid):
+        u = Unwinder()
+        without = u.unwind_blocked(pid, tid)
+        rbp = _gdb_rbp(pid)  # the thread's rbp (the BPF program can read it from pt_regs)
+        deadline = time.monotonic() + 10
+        while _state(pid, tid) != "S" and time.monotonic() < deadline:  # back in read() after gdb
+            time.sleep(0.02)
+        with_bp = u.unwind_blocked(pid, tid, bp=rbp)
+        names = _names(pid, with_bp.addresses)
+    assert without.stop_reason == StopReason.RBP_UNKNOWN and len(without.addresses) == 2
+    assert with_bp.complete and with_bp.addresses[:2] == without.addresses
+    assert names[:5] == ["read", "unwind_f3", "unwind_f2", "unwind_f1", "main"], names
+    assert u.counters()["stop:rbp_unknown"] == 1
+
+
 def test_debug_frame_from_the_file_and_from_a_build_id_debug_file(tmp_path: Path) -> None:
     # Built without unwind tables: its functions are described only in .debug_frame.
     exe = tmp_path / "df"

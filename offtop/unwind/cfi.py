@@ -43,10 +43,11 @@ class CfiError(ValueError):
 class CfiLimits:
     """Caps that bound the work and memory spent on one file."""
 
-    max_entries: int = 2_000_000  #: CIEs + FDEs read per section
+    max_entries: int = 1_000_000  #: CIEs + FDEs read per section (libLLVM-15 has ~100k)
     max_ops_per_program: int = 20_000  #: CFA instructions interpreted per FDE
     max_state_stack: int = 64  #: depth of DW_CFA_remember_state
-    max_rows: int = 8_000_000  #: rows in one file's table
+    max_rows: int = 4_000_000  #: rows in one full table (libLLVM-15 has ~1M)
+    max_build_s: float = 10.0  #: time one full table may take to build (libLLVM-15: ~1.7 s)
 
 
 @dataclass(slots=True)

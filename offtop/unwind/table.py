@@ -119,6 +119,7 @@ class TableBuilder:
         self.intern: dict[StateKey, int] = {}
         self.stats = TableStats()
         self.fdes: list[tuple[int, int, Rows]] = []
+        self._deadline = time.monotonic() + limits.max_build_s
 
     def add_section(self, data: bytes, bases: Bases, *, eh: bool, label: str) -> None:
         """Interpret every FDE of one section."""
@@ -127,6 +128,9 @@ class TableBuilder:
         # small functions share their CFA program byte for byte.
         programs: dict[tuple[int, bytes], Rows] = {}
         for fde, cie in iter_entries(data, bases, eh=eh, limits=self.limits, stats=parse):
+            if len(self.fdes) & 1023 == 0 and time.monotonic() > self._deadline:
+                parse.truncated = True  # the functions after this one get no rows
+                break
             key = (fde.cie_offset, fde.program)
             rows = programs.get(key)
             if rows is None:

@@ -185,6 +185,19 @@ class Unwinder:
             return self._count(UnwindResult((), StopReason.THREAD_RAN))
         return result
 
+    def counters(self) -> dict[str, int]:
+        """Every count, flat, for the engine's statistics: walks, frames, stops by
+        reason ("stop:…"), failed stack reads by errno ("read:…"), files without a
+        table by cause ("table:…"), tables loaded and the milliseconds spent."""
+        out = {"unwinds": self.unwinds, "frames": self.frames}
+        out.update({f"stop:{k}": v for k, v in self.stops.items() if v})
+        out.update({f"read:{k}": v for k, v in self.read_failures.items()})
+        if isinstance(self.tables, TableCache):
+            out.update({f"table:{k}": v for k, v in self.tables.failures.items()})
+            out["tables_loaded"] = self.tables.builds
+            out["table_load_ms"] = round(self.tables.build_seconds * 1000)
+        return out
+
     def _count(self, result: UnwindResult) -> UnwindResult:
         self.stops[result.stop_reason] = self.stops.get(result.stop_reason, 0) + 1
         return result
