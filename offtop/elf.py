@@ -54,6 +54,7 @@ STT_FUNC = 2
 STT_GNU_IFUNC = 10
 STB_LOCAL = 0
 NT_GNU_BUILD_ID = 3
+_MAX_ADDRESS = (1 << 64) - 1
 _FUNCTION_TYPES = bytes(int((b & 0xF) in (STT_FUNC, STT_GNU_IFUNC)) for b in range(256))
 
 #: Caps on what one file may make offtop read and keep.
@@ -133,7 +134,8 @@ class ElfSymbols:
             refs.append(len(strtab))
             strtab += name.encode("utf-8", "replace").replace(b"\0", b"?") + b"\0"
         return cls(segments, array("Q", [s[0] for s in symbols]),
-                   array("Q", [s[0] + s[1] for s in symbols]), refs, [bytes(strtab)], build_id)
+                   array("Q", [min(s[0] + s[1], _MAX_ADDRESS) for s in symbols]), refs, [bytes(strtab)],
+                   build_id)
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -275,6 +277,8 @@ def _scan(f: SafeFile, symtab: _Section, strtab: _Section,
     str_size = strtab.size
     step = _STEP_SYMBOLS * _SYM.size
     for pos in range(symtab.offset, symtab.offset + symtab.size, step):
+        if found.truncated:
+            break
         data = f.pread_exact(pos, min(step, symtab.offset + symtab.size - pos))
         # The st_info byte of every entry, mapped to 1 for functions: find()
         # then skips everything else at C speed (a table of zeros costs nothing).
@@ -333,13 +337,14 @@ def _finish(segments: list[Segment], found: _Candidates,
     last = -1
     for count, i in enumerate(order):
         value = values[i]
+        end = min(value + sizes[i], _MAX_ADDRESS)  # a hostile size must not overflow the array
         if value != last:
             starts.append(value)
-            ends.append(value + sizes[i])
+            ends.append(end)
             kept.append(i)
             last = value
         else:  # an alias: keep the longest size, the preferred name
-            ends[-1] = max(ends[-1], value + sizes[i])
+            ends[-1] = max(ends[-1], end)
             j = kept[-1]
             if (_preference(_name(found.strtabs, refs[i]), found.binds[i])
                     < _preference(_name(found.strtabs, refs[j]), found.binds[j])):
@@ -491,7 +496,9 @@ class ElfCache:
             return None
         except StopIteration as done:
             result: ElfSymbols | str = done.value
-        except ElfError:
+        except (ValueError, OverflowError, IndexError, struct.error):
+            # ElfError, or anything else a malformed file could still provoke:
+            # a file's content must never end offtop.
             result = BAD_ELF
         except FileRefused as e:
             result = e.cause

@@ -241,6 +241,17 @@ def test_hostile_symbol_names_are_decoded_and_capped(tmp_path: Path) -> None:
     assert name is not None and name.startswith("x" * 200) and len(name) <= 1024
 
 
+def test_symbols_with_absurd_sizes_and_addresses(tmp_path: Path) -> None:
+    data = bytearray(elf_bytes())
+    data[0x1800 + 24: 0x1800 + 48] = SYM.pack(1, 0x12, 0, 1, BASE + TEXT_OFF, (1 << 64) - 1)
+    data += SYM.pack(1, 0x12, 0, 1, (1 << 64) - 16, 1 << 63)  # past the top of the address space
+    (tmp_path / "a.so").write_bytes(data)
+    with bounded():
+        syms = returns(lambda: ElfCache().get(str(tmp_path / "a.so")))
+    assert not isinstance(syms, str)
+    assert syms.lookup(BASE + TEXT_OFF) == FUNC
+
+
 def test_non_regular_files_as_binaries_are_never_opened_for_reading(tmp_path: Path) -> None:
     """A FIFO (open() would wait for a writer for good) and devices, as a mapping's file."""
     fifo = tmp_path / "fifo.so"
