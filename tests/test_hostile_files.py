@@ -242,14 +242,16 @@ def test_hostile_symbol_names_are_decoded_and_capped(tmp_path: Path) -> None:
 
 
 def test_symbols_with_absurd_sizes_and_addresses(tmp_path: Path) -> None:
-    data = bytearray(elf_bytes())
+    data = bytearray(elf_bytes(symtab_size=3 * 24))
     data[0x1800 + 24: 0x1800 + 48] = SYM.pack(1, 0x12, 0, 1, BASE + TEXT_OFF, (1 << 64) - 1)
-    data += SYM.pack(1, 0x12, 0, 1, (1 << 64) - 16, 1 << 63)  # past the top of the address space
+    # Another, near the top of the address space, reaching past it.
+    data[0x1800 + 48: 0x1800 + 72] = SYM.pack(1, 0x12, 0, 1, (1 << 64) - 16, 1 << 63)
     (tmp_path / "a.so").write_bytes(data)
     with bounded():
         syms = returns(lambda: ElfCache().get(str(tmp_path / "a.so")))
     assert not isinstance(syms, str)
     assert syms.lookup(BASE + TEXT_OFF) == FUNC
+    assert syms.lookup((1 << 64) - 1) == FUNC
 
 
 def test_non_regular_files_as_binaries_are_never_opened_for_reading(tmp_path: Path) -> None:
