@@ -6,13 +6,19 @@ measures, in one run:
 * tick cost: from handing a new snapshot to the app (`publish`, which also
   builds the per-snapshot index that the worker thread builds live) until the
   screen is repainted, in the task view and with the callchain tree open;
-* keypress → repaint latency for down, s, t, enter/esc, +/-.
+* keypress → repaint latency for down (from the top row, so that every
+  press really moves the cursor), s, t, enter/esc, +/-.
 
 "Repainted" means all queued messages processed and the compositor has
 rendered the dirty regions (`pilot.pause(0)` forces the update the refresh
 timer would do). Prints median and max over the runs; not a test, exits 0.
 
+`--against REF` measures the code of another git commit (or an offtop tree
+in a directory) side by side: each side runs in its own process, taking
+turns `--rounds` times, and both tables are printed with their ratios.
+
     .venv/bin/python bench/bench_ui.py [--runs 9] [--tasks 2000] [--stacks 20000]
+    .venv/bin/python bench/bench_ui.py --against HEAD~1 [--rounds 2]
 """
 
 from __future__ import annotations
@@ -20,35 +26,44 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual import events
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if TYPE_CHECKING:
+    from offtop.app import OfftopApp
+    from offtop.model import Snapshot
 
-from offtop.app import OfftopApp, SnapshotIndex
-from offtop.model import Snapshot
-from offtop.source import ReplaySource, SourceInfo
-from offtop.synthetic import synthetic_snapshots
-
+ROOT = Path(__file__).resolve().parent.parent
 BAR_MS = 100.0
 
+#: Per measure, the milliseconds of each run.
+Results = dict[str, list[float]]
 
-class HeldReplay(ReplaySource):
+
+def held_replay(snaps: list[Snapshot]) -> Any:
     """A replay source that waits like a live one once its snapshots are played."""
+    from offtop.source import ReplaySource, SourceInfo
 
-    def next_snapshot(self, interval_s: float, stop: threading.Event) -> Snapshot | None:
-        snap = super().next_snapshot(interval_s, stop)
-        if snap is None:
-            stop.wait()
-        return snap
+    class HeldReplay(ReplaySource):
+        def next_snapshot(self, interval_s: float, stop: threading.Event) -> Snapshot | None:
+            snap = super().next_snapshot(interval_s, stop)
+            if snap is None:
+                stop.wait()
+            return snap
+
+    return HeldReplay(snaps, realtime=False,
+                      info=SourceInfo(host="bench", kernel="-", kind="replay"))
 
 
 def _quiet(app: OfftopApp) -> bool:
@@ -99,9 +114,11 @@ async def measure(runs: int, action: Callable[[int], Awaitable[None]], pilot: An
     return out
 
 
-async def bench(
-    runs: int, tasks: int, stacks: int
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+async def bench(runs: int, tasks: int, stacks: int) -> tuple[Results, Results]:
+    """Every measure, `runs` times: (wall times, CPU times) in ms."""
+    from offtop.app import OfftopApp, SnapshotIndex
+    from offtop.synthetic import synthetic_snapshots
+
     t0 = time.perf_counter()
     snaps = synthetic_snapshots(runs + 2, tasks=tasks, stacks=stacks, seed=1)
     gen_s = time.perf_counter() - t0
@@ -110,11 +127,10 @@ async def bench(
     # what they would cost in the app, not ~5x more.
     gc.collect()
     gc.freeze()
-    print(f"synthetic data: {runs + 2} snapshots of {len(snaps[0].tasks):,} tasks, "
-          f"{len(snaps[0].stacks):,} stacks, {len(snaps[0].processes):,} processes "
-          f"(generated in {gen_s:.1f}s)")
-    source = HeldReplay(snaps[:1], realtime=False,
-                        info=SourceInfo(host="bench", kernel="-", kind="replay"))
+    note(f"synthetic data: {runs + 2} snapshots of {len(snaps[0].tasks):,} tasks, "
+         f"{len(snaps[0].stacks):,} stacks, {len(snaps[0].processes):,} processes "
+         f"(generated in {gen_s:.1f}s)")
+    source = held_replay(snaps[:1])
     app = OfftopApp(source, clock=lambda: 0.0, freeze_gc=True)  # as run_app does
     results: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
@@ -160,6 +176,8 @@ async def bench(
 
             return go
 
+        send_key(app, "home")  # every down below moves the cursor to another task
+        await settle(pilot)
         await timed("key: down", runs, await press("down"))
         await timed("key: s (sort)", runs, await press("s"))
         for _ in range(9 - (runs % 9)):
@@ -182,17 +200,21 @@ async def bench(
         await settle(pilot)
         await timed("tick: processes", runs, tick)
         writes = len(source.threshold_writes)
-    print(f"threshold writes recorded by the source: {writes}")
+    note(f"threshold writes recorded by the source: {writes}")
     return results, cpu
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=9)
-    parser.add_argument("--tasks", type=int, default=2000)
-    parser.add_argument("--stacks", type=int, default=20_000)
-    args = parser.parse_args()
-    results, cpu = asyncio.run(bench(max(7, args.runs), args.tasks, args.stacks))
+#: Where progress notes go: stdout, or stderr when stdout carries JSON.
+NOTES = sys.stdout
+
+
+def note(text: str) -> None:
+    """A line about the run (not a result)."""
+    print(text, file=NOTES)
+
+
+def table(results: Results, cpu: Results) -> None:
+    """The results as the table `bench/run.py` parses."""
     try:
         load = "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
     except OSError:
@@ -206,6 +228,76 @@ def main() -> int:
         ok = "yes" if worst < BAR_MS else ("median" if med < BAR_MS else "NO")
         print(f"{name:<24} {med:>11.1f} {worst:>7.1f} {statistics.median(c):>11.1f}"
               f" {max(c):>7.1f} {len(values):>5}  {ok}")
+
+
+def code_tree(ref: str, workdir: Path) -> Path:
+    """A directory holding the offtop package of `ref`: itself if it is one,
+    else the commit `ref` unpacked (git archive) under `workdir`."""
+    if (Path(ref) / "offtop").is_dir():
+        return Path(ref).resolve()
+    archive = subprocess.run(["git", "archive", ref, "offtop"], capture_output=True, cwd=ROOT,
+                             check=True).stdout
+    where = workdir / "against"
+    where.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where
+
+
+def side_by_side(args: argparse.Namespace) -> int:
+    """Run this benchmark on the code of `args.against` and on this tree, in
+    turns, each in its own process; print both and their ratios."""
+    merged: dict[str, tuple[Results, Results]] = {"this": ({}, {}), "against": ({}, {})}
+    with tempfile.TemporaryDirectory(prefix="bench-ui-") as tmp:
+        trees = {"against": code_tree(args.against, Path(tmp)), "this": ROOT}
+        for n in range(args.rounds):
+            for side in ("against", "this"):
+                note(f"round {n + 1}/{args.rounds}: {side} ({trees[side]})")
+                argv = [sys.executable, str(Path(__file__).resolve()), "--json",
+                        "--code", str(trees[side]), "--runs", str(args.runs),
+                        "--tasks", str(args.tasks), "--stacks", str(args.stacks)]
+                out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+                data = json.loads(out)
+                for i, part in enumerate(("wall", "cpu")):
+                    for name, values in data[part].items():
+                        merged[side][i].setdefault(name, []).extend(values)
+    table(*merged["this"])
+    this, other = merged["this"][0], merged["against"][0]
+    print(f"\nside by side, wall ms (median / worst), {args.against} → this tree:")
+    for name, values in this.items():
+        old = other.get(name)
+        if not old:
+            continue
+        m_old, m_new = statistics.median(old), statistics.median(values)
+        print(f"  {name:<24} {m_old:>7.1f} / {max(old):>6.1f}  →  "
+              f"{m_new:>7.1f} / {max(values):>6.1f}   median {m_old / max(m_new, 1e-9):.2f}x")
+    return 0
+
+
+def main() -> int:
+    """Run the benchmark (or two, with --against) and print the results."""
+    global NOTES
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--stacks", type=int, default=20_000)
+    parser.add_argument("--against", metavar="REF",
+                        help="also measure this git commit (or offtop tree), side by side")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --against: turns each side takes")
+    parser.add_argument("--code", type=Path, default=ROOT, help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.runs = max(7, args.runs)
+    if args.against:
+        return side_by_side(args)
+    sys.path.insert(0, str(args.code))
+    if args.json:
+        NOTES = sys.stderr
+    results, cpu = asyncio.run(bench(args.runs, args.tasks, args.stacks))
+    if args.json:
+        print(json.dumps({"wall": results, "cpu": cpu}))
+    else:
+        table(results, cpu)
     return 0
 
 

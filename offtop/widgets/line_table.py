@@ -29,6 +29,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from rich.cells import cell_len
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
@@ -87,14 +88,19 @@ class _LineStyle:
 
 
 @dataclass(frozen=True, slots=True)
-class _PassStyles:
-    """The styles of one render pass (reading them per line is costly)."""
+class _Pass:
+    """What every line of one render pass needs: styles and geometry (read
+    once: `rich_style` and the regions cost more than drawing a cached line)."""
 
     base: _LineStyle
     cursor: _LineStyle
     hover: _LineStyle
     header: Style
     cursor_shown: bool
+    width: int
+    layout: _Layout
+    scroll_x: int
+    scroll_y: int
 
 
 class LineTable(ScrollView, can_focus=True):
@@ -229,7 +235,7 @@ class LineTable(ScrollView, can_focus=True):
         self._layouts: dict[int, _Layout] = {}
         self._cells: LRUCache[tuple[object, ...], CellLines] = LRUCache(4096)
         self._lines: LRUCache[tuple[object, ...], Strip] = LRUCache(1024)
-        self._pass: _PassStyles | None = None
+        self._pass: _Pass | None = None
 
     # --- columns ----------------------------------------------------------
 
@@ -540,22 +546,27 @@ class LineTable(ScrollView, can_focus=True):
         if y + self.ROW_HEIGHT > self._header_height and y < self.size.height:
             self.refresh(Region(0, y, self.size.width, self.ROW_HEIGHT))
 
-    def _styles(self) -> _PassStyles:
-        styles = self._pass
-        if styles is None:
+    def _pass_state(self) -> _Pass:
+        state = self._pass
+        if state is None:
             base = self.rich_style
             component = self.get_component_rich_style
-            styles = self._pass = _PassStyles(
+            scroll_x, scroll_y = self.scroll_offset
+            state = self._pass = _Pass(
                 base=_LineStyle(base),
                 cursor=_LineStyle.over(base, component("line-table--cursor")),
                 hover=_LineStyle.over(base, component("line-table--hover")),
                 header=base + component("line-table--header"),
                 cursor_shown=self._cursor_shown(),
+                width=self.size.width,
+                layout=self._layout(self.scrollable_content_region.width),
+                scroll_x=scroll_x,
+                scroll_y=scroll_y,
             )
-        return styles
+        return state
 
     def render_lines(self, crop: Region) -> list[Strip]:
-        """Read the styles once for the lines of this pass."""
+        """Read the styles and geometry once for the lines of this pass."""
         self._pass = None
         try:
             return super().render_lines(crop)
@@ -564,36 +575,36 @@ class LineTable(ScrollView, can_focus=True):
 
     def render_line(self, y: int) -> Strip:
         """Line `y` of the view: the header, a line of a row, or blank."""
-        styles = self._styles()
-        width = self.size.width
-        scroll_x, scroll_y = self.scroll_offset
-        layout = self._layout(self.scrollable_content_region.width)
+        state = self._pass_state()
         if y < self._header_height:
-            return self._header_line(layout, styles.header, scroll_x, width)
-        row, sub = divmod(y - self._header_height + scroll_y, self.ROW_HEIGHT)
+            return self._header_line(state)
+        row, sub = divmod(y - self._header_height + state.scroll_y, self.ROW_HEIGHT)
         if row >= len(self._keys):
-            return Strip.blank(width, styles.base.pre)
+            return Strip.blank(state.width, state.base.pre)
         key = self._keys[row]
-        if row == self._cursor and styles.cursor_shown:
-            style = styles.cursor
+        if row == self._cursor and state.cursor_shown:
+            style = state.cursor
         elif row == self._hover:
-            style = styles.hover
+            style = state.hover
         else:
-            style = styles.base
-        cache_key = (key, self._versions[key], sub, layout.widths, self._generation, style,
-                     scroll_x, width)
+            style = state.base
+        cache_key = (key, self._versions[key], sub, state.layout.widths, self._generation,
+                     style, state.scroll_x, state.width)
         strip = self._lines.get(cache_key)
         if strip is None:
             self.lines_rendered += 1
-            plain = self._row_line(self._raw[key], sub, layout)
-            pad = style.pre + style.post if style.post is not None else style.pre
-            strip = Strip(Segment.apply_style(plain, style.pre, style.post), plain.cell_length)
-            strip = strip.simplify().crop_extend(scroll_x, scroll_x + width, pad)
+            cells = [
+                self._cell(column.key, value, width)[sub]
+                for column, value, width in zip(self._table_columns, self._raw[key],
+                                                state.layout.widths, strict=True)
+            ]
+            strip = self._strip(cells, style, state)
             self._lines.set(cache_key, strip)
         return strip
 
-    def _header_line(self, layout: _Layout, style: Style, scroll_x: int, width: int) -> Strip:
-        cache_key = ("\0header", self._generation, layout.widths, style, scroll_x, width)
+    def _header_line(self, state: _Pass) -> Strip:
+        cache_key = ("\0header", self._generation, state.layout.widths, state.header,
+                     state.scroll_x, state.width)
         strip = self._lines.get(cache_key)
         if strip is None:
             # Labels are cropped, not ellipsized: a sort mark that does not fit
@@ -601,29 +612,30 @@ class LineTable(ScrollView, can_focus=True):
             cells = [
                 self._text_lines(Text(c.label, overflow="crop") if isinstance(c.label, str)
                                  else c.label, w, 1)[0]
-                for c, w in zip(self._table_columns, layout.widths, strict=True)
+                for c, w in zip(self._table_columns, state.layout.widths, strict=True)
             ]
-            strip = self._join(cells, layout).apply_style(style).simplify()
-            strip = strip.crop_extend(scroll_x, scroll_x + width, style)
+            strip = self._strip(cells, _LineStyle(state.header), state)
             self._lines.set(cache_key, strip)
         return strip
 
-    def _row_line(self, raw: tuple[Hashable, ...], sub: int, layout: _Layout) -> Strip:
-        """Line `sub` of a row, unstyled (the cursor's style goes on top)."""
-        cells = [
-            self._cell(column.key, value, width)[sub]
-            for column, value, width in zip(self._table_columns, raw, layout.widths, strict=True)
-        ]
-        return self._join(cells, layout)
-
-    def _join(self, cells: Iterable[tuple[Segment, ...]], layout: _Layout) -> Strip:
+    def _strip(self, cells: Iterable[tuple[Segment, ...]], style: _LineStyle,
+               state: _Pass) -> Strip:
+        """Padded cells, styled, extended with the line's style to the view's
+        width (a cursor spans the whole line) and scrolled sideways."""
         pad = Segment(" " * self.CELL_PADDING)
         segments: list[Segment] = []
         for cell in cells:
             segments.append(pad)
             segments.extend(cell)
             segments.append(pad)
-        return Strip(segments, layout.total)
+        fill = style.pre + style.post if style.post is not None else style.pre
+        total, width, scroll_x = state.layout.total, state.width, state.scroll_x
+        styled = list(Segment.simplify(Segment.apply_style(segments, style.pre, style.post)))
+        if scroll_x == 0 and total <= width:
+            if total < width:
+                styled.append(Segment(" " * (width - total), fill))
+            return Strip(styled, width)
+        return Strip(styled, total).crop_extend(scroll_x, scroll_x + width, fill)
 
     def _cell(self, column: str, value: Hashable, width: int) -> CellLines:
         """A cell's lines at `width`, cached by its column and value."""
@@ -637,7 +649,17 @@ class LineTable(ScrollView, can_focus=True):
     def _text_lines(self, text: Text, width: int, height: int) -> CellLines:
         """`text` cut into `height` lines of exactly `width` cells each."""
         console = self.app.console
-        parts = text.split("\n", allow_blank=True) if "\n" in text.plain else [text.copy()]
+        plain = text.plain
+        if height == 1 and not text.spans and plain.isprintable():
+            # Most cells: one style, one line that fits. No Text to copy.
+            length = cell_len(plain)
+            if length <= width:
+                style = console.get_style(text.style, default=Style.null())
+                blank = Segment(" " * (width - length))
+                if text.justify == "right":
+                    return ((blank, Segment(plain, style)),)
+                return ((Segment(plain, style), blank),)
+        parts = text.split("\n", allow_blank=True) if "\n" in plain else [text.copy()]
         overflow = text.overflow or "ellipsis"
         out: list[tuple[Segment, ...]] = []
         for i in range(height):
