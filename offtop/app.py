@@ -34,10 +34,11 @@ from textual.css.query import NoMatches
 from textual.message import Message
 from textual.reactive import var
 from textual.screen import Screen
-from textual.widgets import ContentSwitcher, DataTable, Input, Static
+from textual.widgets import ContentSwitcher, Input, Static
 from textual.worker import get_current_worker
 
 from offtop.model import LongBlock, ProcessRow, Snapshot, StackRow, TaskRow
+from offtop.safe_text import printable_lines
 from offtop.source import SnapshotSource
 from offtop.units import format_ns
 from offtop.widgets.blocked_now import BlockedNowTable
@@ -45,9 +46,9 @@ from offtop.widgets.callchain_tree import CallchainTree, Path, stack_path
 from offtop.widgets.header import OfftopHeader
 from offtop.widgets.help_screen import HelpScreen, HelpSection
 from offtop.widgets.key_bar import KeyBar
-from offtop.widgets.keyed_table import KeyedTable
+from offtop.widgets.line_table import LineTable
 from offtop.widgets.long_blocks_log import LongBlocksLog
-from offtop.widgets.render import task_label
+from offtop.widgets.render import task_label, untrusted_text
 from offtop.widgets.stack_table import StackTable
 from offtop.widgets.task_table import COLUMN_TITLES, SORT_CYCLE, TaskTable
 from offtop.widgets.threshold_slider import ThresholdSlider
@@ -343,13 +344,15 @@ class OfftopApp(App[int]):
             text.append("The capture stopped:\n\n", style="bold")
         else:
             text.append("offtop could not start the capture:\n\n", style="bold")
-        text.append(f"{type(message.error).__name__}: {message.error}", style="#ff6b6b")
+        # An error may quote what a process controls (a path, a name): escaped.
+        error = printable_lines(str(message.error))
+        text.append(f"{type(message.error).__name__}: {error}", style="#ff6b6b")
         text.append("\n\nPress q to quit.", style="dim")
         if self.snapshot is None:
             self.query_one("#error", Static).update(text)
             self.add_class("-failed")
         else:
-            self.notify(str(message.error), title="capture stopped", severity="error",
+            self.notify(error, title="capture stopped", severity="error",
                         timeout=3600, markup=False)
 
     def on_source_ended(self, _: SourceEnded) -> None:
@@ -428,12 +431,16 @@ class OfftopApp(App[int]):
         what = "processes" if self.processes else "threads"
         pane = self.query_one("#tasks-pane")
         pane.border_title = f"{what.capitalize()} by off-CPU time"
-        sub = f"{table.total_rows:,} {what}"
+        # A Text, not a string: Textual parses a string title as markup, and
+        # the filter is typed text ("[/usr]" would raise MarkupError).
+        sub = Text(f"{table.total_rows:,} {what}", end="")
         if table.filter_text:
-            sub += f" · {table.matching_rows:,} match “{table.filter_text}”"
+            sub.append(f" · {table.matching_rows:,} match “")
+            sub.append_text(untrusted_text(table.filter_text))
+            sub.append("”")
         if table.hidden_rows:
-            sub += f" · {table.hidden_rows:,} more"
-        sub += f" · sort {table.sort_spec.label()}"
+            sub.append(f" · {table.hidden_rows:,} more")
+        sub.append(f" · sort {table.sort_spec.label()}")
         pane.border_subtitle = sub
 
     def _stacks_for(self, key: str) -> tuple[tuple[StackRow, ...], bool]:
@@ -458,10 +465,12 @@ class OfftopApp(App[int]):
             t = task_label(row.comm, row.pid)
             t.append(f" ({row.threads} threads)", style="dim")
             if row.user:
-                t.append(f" {row.user}", style="italic")
+                t.append(" ")
+                t.append_text(untrusted_text(row.user, "italic"))
             if row.cmdline:
                 cmd = row.cmdline if len(row.cmdline) <= 60 else row.cmdline[:59] + "…"
-                t.append(f" {cmd}", style="dim")
+                t.append(" ")
+                t.append_text(untrusted_text(cmd, "dim"))
         else:
             t = task_label(row.comm, row.pid, row.tid)
         return t
@@ -612,33 +621,33 @@ class OfftopApp(App[int]):
 
     # --- widget messages ------------------------------------------------------
 
-    @on(DataTable.RowHighlighted, "#tasks")
-    def _task_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        key = event.row_key.value
-        if key == self._selected:
-            return
+    @on(LineTable.RowHighlighted, "#tasks")
+    def _task_highlighted(self, event: LineTable.RowHighlighted) -> None:
+        key = event.key
+        if key == self._selected or key != event.table.cursor_key:
+            return  # already shown, or the cursor has moved on since
         self._selected = key
         if self.drilled and not self.all_stacks:
             self._tree_owner = key
         if not self.all_stacks:
             self._refresh_stacks()
 
-    @on(DataTable.RowSelected, "#tasks")
-    def _task_selected(self, event: DataTable.RowSelected) -> None:
-        self._selected = event.row_key.value
+    @on(LineTable.RowSelected, "#tasks")
+    def _task_selected(self, event: LineTable.RowSelected) -> None:
+        self._selected = event.key
         self._drill(self._selected)
 
-    @on(DataTable.RowSelected, "#stacks")
-    def _stack_selected(self, event: DataTable.RowSelected) -> None:
-        stack = self.query_one(StackTable).stack_by_key(event.row_key.value or "")
+    @on(LineTable.RowSelected, "#stacks")
+    def _stack_selected(self, event: LineTable.RowSelected) -> None:
+        stack = self.query_one(StackTable).stack_by_key(event.key)
         if stack is None:
             return
         owner = f"t{stack.tid}" if self.all_stacks or not self._selected else self._selected
         self._drill(owner, focus=stack_path(stack, show_kernel=self.show_kernel,
                                             show_user=self.show_user))
 
-    @on(DataTable.RowSelected, "#blocked")
-    def _blocked_selected(self, event: DataTable.RowSelected) -> None:
+    @on(LineTable.RowSelected, "#blocked")
+    def _blocked_selected(self, event: LineTable.RowSelected) -> None:
         b = self.query_one(BlockedNowTable).blocked_at_cursor()
         if b is None:
             return
@@ -783,7 +792,7 @@ class OfftopApp(App[int]):
         return [
             ("Everywhere", "", self.BINDINGS),
             ("Task table", "arrows, PgUp/PgDn move too; click a header to sort by it",
-             [*TaskTable.BINDINGS, *KeyedTable.BINDINGS]),
+             [*TaskTable.BINDINGS, *LineTable.BINDINGS]),
             ("Stacks pane", "here k/u toggle frames (K/U anywhere)", StackTable.BINDINGS),
             ("Callchain tree", "Enter/space expand or collapse; Esc goes back",
              CallchainTree.BINDINGS),

@@ -9,19 +9,32 @@ ELF here also lets one parsed file serve every process that maps it.
 Only what symbolization needs is parsed: PT_LOAD segments (file offset ->
 virtual address), .symtab/.dynsym function symbols, and the GNU build-id
 that names a detached debug file under /usr/lib/debug/.build-id.
+
+The files are other users' (any process's binary), so they are hostile
+until checked: opened through `offtop.safe_files` (regular files only,
+never blocking), read with pread (never mapped: a file its owner truncates
+under a mapping kills the reader with SIGBUS), and every table is checked
+against the file's size before it is read: header, program and section
+header tables, each section's offset, size and entry size. Every read and
+every count is capped. Loading is a generator that yields between bounded
+steps, so `ElfCache` can spread one big file (libLLVM) over several
+intervals instead of stalling one.
 """
 
 from __future__ import annotations
 
 import bisect
-import ctypes
-import ctypes.util
-import mmap
+import heapq
 import os
 import struct
+import time
+from array import array
 from collections import OrderedDict
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
+
+from offtop.demangle import demangle
+from offtop.safe_files import FileRefused, SafeFile, open_regular
 
 DEBUG_ROOT = "/usr/lib/debug"
 
@@ -32,17 +45,39 @@ _SYM = struct.Struct("<IBBHQQ")
 _NOTE = struct.Struct("<III")
 
 PT_LOAD = 1
+PT_NOTE = 4
 SHT_SYMTAB = 2
+SHT_STRTAB = 3
 SHT_NOTE = 7
 SHT_DYNSYM = 11
 STT_FUNC = 2
 STT_GNU_IFUNC = 10
 STB_LOCAL = 0
 NT_GNU_BUILD_ID = 3
+_FUNCTION_TYPES = bytes(int((b & 0xF) in (STT_FUNC, STT_GNU_IFUNC)) for b in range(256))
+
+#: Caps on what one file may make offtop read and keep.
+MAX_PHDRS = 4096
+MAX_SECTIONS = 0xFF00  # SHN_LORESERVE: larger counts use extended numbering, not supported
+MAX_SYMTAB_BYTES = 64 << 20  # ~2.8M symbol entries
+MAX_STRTAB_BYTES = 64 << 20
+MAX_NOTE_BYTES = 64 << 10
+MAX_FUNCTIONS = 1 << 20  # function symbols kept per file
+MAX_NAME_BYTES = 2048  # of a raw (mangled) name; longer ones are cut
+MAX_NAME_CHARS = 1024  # of a shown (demangled) name
+_STEP_SYMBOLS = 16384  # symbol entries per loading step (~0.4 MB, a few ms)
+_STEP_BYTES = 1 << 20  # bytes read per loading step
+
+#: Causes `ElfCache.get` reports instead of symbols (beside safe_files' causes).
+BAD_ELF = "malformed ELF"
+TIME_BUDGET = "time budget"
 
 
 class ElfError(ValueError):
-    """A file offtop cannot read symbols from (not ELF64 little-endian, truncated)."""
+    """A file offtop cannot read symbols from: not ELF64 little-endian, or malformed.
+
+    The message is one of a few fixed strings, never text from the file.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,26 +89,61 @@ class Segment:
     filesz: int
 
 
-def _preference(name: str, bind: int) -> tuple[int, int, int]:
+@dataclass(frozen=True, slots=True)
+class _Section:
+    type: int
+    offset: int
+    size: int
+    link: int
+    entsize: int
+
+
+def _preference(name: bytes, bind: int) -> tuple[int, int, int]:
     # Of several names at one address (clock_nanosleep, __clock_nanosleep,
     # __GI___clock_nanosleep), show the one a programmer would call.
-    return (len(name) - len(name.lstrip("_")), bind == STB_LOCAL, len(name))
+    return (len(name) - len(name.lstrip(b"_")), bind == STB_LOCAL, len(name))
 
 
 class ElfSymbols:
-    """The function symbols and load segments of one ELF file."""
+    """The function symbols and load segments of one ELF file, in compact arrays.
 
-    def __init__(self, segments: list[Segment], symbols: list[tuple[int, int, str]],
-                 build_id: bytes | None = None) -> None:
+    Names stay in the file's own string tables and are decoded (and
+    demangled) only when looked up, since a frame hits a handful of the
+    thousands a library holds.
+    """
+
+    def __init__(self, segments: list[Segment], starts: array[int], ends: array[int],
+                 refs: array[int], strtabs: list[bytes], build_id: bytes | None = None) -> None:
         self.segments = sorted(segments, key=lambda s: s.offset)
-        symbols.sort()
-        self._starts = [s[0] for s in symbols]
-        self._ends = [s[0] + s[1] for s in symbols]
-        self._names = [s[2] for s in symbols]
+        self._starts = starts
+        self._ends = ends
+        self._refs = refs  # (string table index << 32) | offset of the name
+        self._strtabs = strtabs
+        self._shown: dict[int, str] = {}
         self.build_id = build_id
 
+    @classmethod
+    def from_symbols(cls, segments: list[Segment], symbols: list[tuple[int, int, str]],
+                     build_id: bytes | None = None) -> ElfSymbols:
+        """Build from (address, size, name) triples, already one per address."""
+        symbols = sorted(symbols)
+        strtab = bytearray()
+        refs: array[int] = array("Q")
+        for _, _, name in symbols:
+            refs.append(len(strtab))
+            strtab += name.encode("utf-8", "replace").replace(b"\0", b"?") + b"\0"
+        return cls(segments, array("Q", [s[0] for s in symbols]),
+                   array("Q", [s[0] + s[1] for s in symbols]), refs, [bytes(strtab)], build_id)
+
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._starts)
+
+    @property
+    def nbytes(self) -> int:
+        """Roughly what this table holds in memory (for the cache's budget)."""
+        # Fixed at construction (the cache subtracts what it added); the
+        # shown-name cache beside it is capped at 4096 entries.
+        return 24 * len(self._starts) + sum(len(t) for t in self._strtabs) + 4096
 
     def vaddr_of(self, file_offset: int) -> int | None:
         """The virtual address a file offset is loaded at, if it is in a segment."""
@@ -90,164 +160,361 @@ class ElfSymbols:
         end = self._ends[i]
         if end > self._starts[i] and vaddr >= end:
             return None
-        return self._names[i]
+        name = self._shown.get(i)
+        if name is None:
+            raw = _name(self._strtabs, self._refs[i])
+            name = demangle(raw.decode("utf-8", "replace"))
+            if len(name) > MAX_NAME_CHARS:
+                name = name[: MAX_NAME_CHARS - 1] + "…"
+            if len(self._shown) >= 4096:
+                self._shown.clear()
+            self._shown[i] = name
+        return name
 
 
-def _read_symbols(data: Any, shdrs: list[tuple[int, ...]], wanted: int) -> list[tuple[int, int, str, int]]:
-    out = []
-    for sh in shdrs:
-        if sh[1] != wanted or sh[9] != _SYM.size or sh[6] >= len(shdrs):
-            continue
-        strtab = shdrs[sh[6]]
-        str_off, str_end = strtab[4], strtab[4] + strtab[5]
-        if sh[4] + sh[5] > len(data) or str_end > len(data):
-            continue
-        for name_off, info, _other, shndx, value, size in _SYM.iter_unpack(data[sh[4]: sh[4] + sh[5]]):
-            typ = info & 0xF
-            if (typ != STT_FUNC and typ != STT_GNU_IFUNC) or shndx == 0 or value == 0:
-                continue
-            start = str_off + name_off
-            end = data.find(b"\0", start, str_end)
-            if end < 0:
-                continue
-            out.append((value, size, data[start:end].decode("utf-8", "replace"), info >> 4))
-    return out
+# --- reading a file, checked -----------------------------------------------------
 
 
-def parse_elf(data: Any) -> tuple[list[Segment], list[tuple[int, int, str, int]], bytes | None]:
-    """Segments, function symbols (value, size, name, bind) and build-id of ELF bytes."""
-    if len(data) < _EHDR.size or data[:4] != b"\x7fELF":
+@dataclass(slots=True)
+class _Parsed:
+    segments: list[Segment]
+    sections: list[_Section]
+    notes: list[tuple[int, int]]  # (offset, size) of PT_NOTE segments
+
+
+def _read_headers(f: SafeFile) -> _Parsed:
+    size = f.size
+    if size < _EHDR.size:
         raise ElfError("not an ELF file")
-    ident = data[:16]
-    if ident[4] != 2 or ident[5] != 1:
+    head = f.pread_exact(0, _EHDR.size)
+    if head[:4] != b"\x7fELF":
+        raise ElfError("not an ELF file")
+    if head[4] != 2 or head[5] != 1:
         raise ElfError("not a 64-bit little-endian ELF file")
     (_, _, _, _, _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum,
-     _shstrndx) = _EHDR.unpack_from(data, 0)
-    segments = []
-    if phentsize == _PHDR.size:
-        for i in range(phnum):
-            off = phoff + i * phentsize
-            if off + _PHDR.size > len(data):
-                break
-            p = _PHDR.unpack_from(data, off)
+     _shstrndx) = _EHDR.unpack(head)
+    segments: list[Segment] = []
+    notes: list[tuple[int, int]] = []
+    if phnum:
+        if phentsize != _PHDR.size or phnum > MAX_PHDRS or phoff + phnum * phentsize > size:
+            raise ElfError("bad program header table")
+        for p in _PHDR.iter_unpack(f.pread_exact(phoff, phnum * phentsize)):
             if p[0] == PT_LOAD:
                 segments.append(Segment(offset=p[2], vaddr=p[3], filesz=p[5]))
-    shdrs: list[tuple[int, ...]] = []
-    if shentsize == _SHDR.size and shoff and shoff + shnum * shentsize <= len(data):
-        shdrs = [_SHDR.unpack_from(data, shoff + i * shentsize) for i in range(shnum)]
-    symbols = _read_symbols(data, shdrs, SHT_SYMTAB) or _read_symbols(data, shdrs, SHT_DYNSYM)
-    build_id = None
-    for sh in shdrs:
-        if sh[1] != SHT_NOTE or sh[4] + sh[5] > len(data):
-            continue
-        pos, end = sh[4], sh[4] + sh[5]
-        while pos + _NOTE.size <= end:
+            elif p[0] == PT_NOTE and p[2] + p[5] <= size and p[5] <= MAX_NOTE_BYTES:
+                notes.append((p[2], p[5]))
+    sections: list[_Section] = []
+    if shnum:
+        if shentsize != _SHDR.size or shnum > MAX_SECTIONS or shoff + shnum * shentsize > size:
+            raise ElfError("bad section header table")
+        for sh in _SHDR.iter_unpack(f.pread_exact(shoff, shnum * shentsize)):
+            sections.append(_Section(type=sh[1], offset=sh[4], size=sh[5], link=sh[6], entsize=sh[9]))
+    return _Parsed(segments, sections, notes)
+
+
+def _build_id(f: SafeFile, parsed: _Parsed) -> bytes | None:
+    ranges = [(s.offset, s.size) for s in parsed.sections if s.type == SHT_NOTE] + parsed.notes
+    for off, size in ranges:
+        if size > MAX_NOTE_BYTES or off + size > f.size:
+            continue  # a section the file does not hold (a debug file's NOBITS twin) or absurd
+        data = f.pread(off, size)
+        pos = 0
+        while pos + _NOTE.size <= len(data):
             namesz, descsz, typ = _NOTE.unpack_from(data, pos)
             name_at = pos + _NOTE.size
             desc_at = name_at + ((namesz + 3) & ~3)
-            if typ == NT_GNU_BUILD_ID and data[name_at:name_at + 3] == b"GNU":
-                build_id = bytes(data[desc_at: desc_at + descsz])
-                break
+            if typ == NT_GNU_BUILD_ID and data[name_at:name_at + 4] == b"GNU\0":
+                desc = data[desc_at: desc_at + descsz]
+                return desc if 0 < len(desc) == descsz <= 64 else None
             pos = desc_at + ((descsz + 3) & ~3)
-        if build_id:
-            break
-    return segments, symbols, build_id
+    return None
 
 
-def _best_names(symbols: list[tuple[int, int, str, int]]) -> list[tuple[int, int, str]]:
-    best: dict[int, tuple[int, str, tuple[int, int, int]]] = {}
-    for value, size, name, bind in symbols:
-        pref = _preference(name, bind)
-        cur = best.get(value)
-        if cur is None or pref < cur[2]:
-            best[value] = (max(size, cur[0] if cur else 0), name, pref)
-    return [(v, s, demangle(n)) for v, (s, n, _) in best.items()]
+def _symbol_table(parsed: _Parsed, wanted: int, file_size: int) -> tuple[_Section, _Section] | None:
+    """The first section of type `wanted` and its string table, both checked."""
+    for s in parsed.sections:
+        if s.type != wanted:
+            continue
+        if s.entsize != _SYM.size or s.size % _SYM.size:
+            raise ElfError("bad symbol table entry size")
+        if s.offset + s.size > file_size:
+            raise ElfError("symbol table past the end of the file")
+        if s.size > MAX_SYMTAB_BYTES:
+            raise ElfError("symbol table too large")
+        if not 0 < s.link < len(parsed.sections):
+            raise ElfError("symbol table without a string table")
+        strtab = parsed.sections[s.link]
+        if strtab.type != SHT_STRTAB or strtab.offset + strtab.size > file_size:
+            raise ElfError("bad string table")
+        if strtab.size > MAX_STRTAB_BYTES:
+            raise ElfError("string table too large")
+        return s, strtab
+    return None
+
+
+@dataclass(slots=True)
+class _Candidates:
+    """Function symbols as they are found, before sorting."""
+
+    values: array[int]
+    sizes: array[int]
+    refs: array[int]  # (string table index << 32) | offset of the name
+    binds: array[int]
+    strtabs: list[bytes]
+    truncated: bool = False
+
+    @classmethod
+    def empty(cls) -> _Candidates:
+        return cls(array("Q"), array("Q"), array("Q"), array("B"), [])
+
+
+def _scan(f: SafeFile, symtab: _Section, strtab: _Section,
+          found: _Candidates) -> Generator[None, None, None]:
+    """Collect the function symbols of one table into `found`, a step at a time."""
+    table_id = len(found.strtabs)
+    str_size = strtab.size
+    step = _STEP_SYMBOLS * _SYM.size
+    for pos in range(symtab.offset, symtab.offset + symtab.size, step):
+        data = f.pread_exact(pos, min(step, symtab.offset + symtab.size - pos))
+        # The st_info byte of every entry, mapped to 1 for functions: find()
+        # then skips everything else at C speed (a table of zeros costs nothing).
+        is_func = data[4::_SYM.size].translate(_FUNCTION_TYPES)
+        i = is_func.find(1)
+        while i >= 0:
+            name_off, info, _other, shndx, value, size = _SYM.unpack_from(data, i * _SYM.size)
+            i = is_func.find(1, i + 1)
+            if shndx == 0 or value == 0 or name_off >= str_size:
+                continue
+            if len(found.values) >= MAX_FUNCTIONS:
+                found.truncated = True
+                break
+            found.values.append(value)
+            found.sizes.append(size)
+            found.refs.append(table_id << 32 | name_off)
+            found.binds.append(info >> 4)
+        yield
+    parts = []
+    for chunk in f.chunks(start=strtab.offset, chunk=_STEP_BYTES, limit=str_size):
+        parts.append(chunk)
+        yield
+    data = b"".join(parts)
+    if len(data) != str_size:
+        raise FileRefused("unreadable", "file shorter than it said")
+    found.strtabs.append(data)
+
+
+def _name(strtabs: list[bytes], ref: int) -> bytes:
+    """A name from a string table: up to its NUL, at most MAX_NAME_BYTES."""
+    table = strtabs[ref >> 32]
+    off = ref & 0xFFFFFFFF
+    end = table.find(b"\0", off, off + MAX_NAME_BYTES)
+    return table[off: end if end >= 0 else min(len(table), off + MAX_NAME_BYTES)]
+
+
+def _sorted_indexes(values: array[int]) -> Generator[None, None, Iterator[int]]:
+    """The indexes of `values` in value order: chunks sorted a step at a time, then merged."""
+    n = len(values)
+    scale = n + 1
+    runs: list[list[int]] = []
+    for lo in range(0, n, 65536):
+        runs.append(sorted(values[i] * scale + i for i in range(lo, min(n, lo + 65536))))
+        yield
+    return (k % scale for k in heapq.merge(*runs))
+
+
+def _finish(segments: list[Segment], found: _Candidates,
+            build_id: bytes | None) -> Generator[None, None, ElfSymbols]:
+    """Sorted, one symbol per address: of several, the name a programmer would call."""
+    order = yield from _sorted_indexes(found.values)
+    values, sizes, refs = found.values, found.sizes, found.refs
+    starts: array[int] = array("Q")
+    ends: array[int] = array("Q")
+    kept: array[int] = array("Q")
+    last = -1
+    for count, i in enumerate(order):
+        value = values[i]
+        if value != last:
+            starts.append(value)
+            ends.append(value + sizes[i])
+            kept.append(i)
+            last = value
+        else:  # an alias: keep the longest size, the preferred name
+            ends[-1] = max(ends[-1], value + sizes[i])
+            j = kept[-1]
+            if (_preference(_name(found.strtabs, refs[i]), found.binds[i])
+                    < _preference(_name(found.strtabs, refs[j]), found.binds[j])):
+                kept[-1] = i
+        if count % 8192 == 8191:
+            yield
+    return ElfSymbols(segments, starts, ends, array("Q", (refs[i] for i in kept)),
+                      found.strtabs, build_id)
+
+
+def load_steps(f: SafeFile, *, debug_root: str = DEBUG_ROOT) -> Generator[None, None, ElfSymbols]:
+    """Load an open ELF file's symbols, yielding between bounded steps.
+
+    Takes .symtab from the detached debug file named by the build-id when
+    the file itself has none. Raises ElfError or FileRefused.
+    """
+    parsed = _read_headers(f)
+    build_id = _build_id(f, parsed)
+    found = _Candidates.empty()
+    own = _symbol_table(parsed, SHT_SYMTAB, f.size)
+    if own is None and build_id:
+        yield from _scan_debug_file(build_id, debug_root, found)
+    if own is None:
+        own = _symbol_table(parsed, SHT_DYNSYM, f.size)
+    if own is not None:
+        yield from _scan(f, own[0], own[1], found)
+    return (yield from _finish(parsed.segments, found, build_id))
+
+
+def _scan_debug_file(build_id: bytes, debug_root: str, found: _Candidates) -> Generator[None, None, None]:
+    hexid = build_id.hex()
+    path = os.path.join(debug_root, ".build-id", hexid[:2], hexid[2:] + ".debug")
+    try:
+        with open_regular(path) as dbg:
+            parsed = _read_headers(dbg)
+            if _build_id(dbg, parsed) not in (None, build_id):
+                return
+            table = _symbol_table(parsed, SHT_SYMTAB, dbg.size)
+            if table is not None:
+                yield from _scan(dbg, table[0], table[1], found)
+    except (FileRefused, ElfError):
+        return  # no usable debug file: the file's own .dynsym still serves
 
 
 def load_elf(path: str, *, debug_root: str = DEBUG_ROOT) -> ElfSymbols:
-    """Read an ELF file, taking .symtab from its detached debug file when it has one."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            raise ElfError("empty file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            segments, symbols, build_id = parse_elf(data)
-    has_symtab = any(bind == STB_LOCAL for *_, bind in symbols)
-    if build_id and not has_symtab:
-        hexid = build_id.hex()
-        debug = os.path.join(debug_root, ".build-id", hexid[:2], hexid[2:] + ".debug")
-        try:
-            with open(debug, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                _, dbg_symbols, dbg_id = parse_elf(data)
-            if dbg_symbols and dbg_id in (None, build_id):
-                symbols = dbg_symbols + symbols
-        except (OSError, ValueError):
-            pass
-    return ElfSymbols(segments, _best_names(symbols), build_id)
+    """Read an ELF file's symbols at once (raises ElfError or FileRefused)."""
+    with open_regular(path) as f:
+        steps = load_steps(f, debug_root=debug_root)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                result: ElfSymbols = done.value
+                return result
+
+
+# --- the cache ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Loading:
+    """A file being loaded over several calls."""
+
+    file: SafeFile
+    steps: Generator[None, None, ElfSymbols]
+    seconds: float = 0.0
+
+    def abandon(self) -> None:
+        self.steps.close()
+        self.file.close()
 
 
 class ElfCache:
-    """Parsed files, shared by all processes, keyed by (device, inode, size, mtime)."""
+    """Parsed files, shared by all processes, keyed by (device, inode, size, mtime).
 
-    def __init__(self, max_files: int = 512) -> None:
-        self._files: OrderedDict[tuple[int, int, int, int], ElfSymbols | None] = OrderedDict()
+    Failures are cached too (by cause), so a hostile file is parsed once. The
+    cache holds at most `max_files` files and about `max_bytes` of tables;
+    at most `max_loading` files are part-loaded at a time.
+    """
+
+    def __init__(self, max_files: int = 512, *, max_bytes: int = 256 << 20, max_loading: int = 2,
+                 debug_root: str = DEBUG_ROOT, clock: Callable[[], float] = time.monotonic) -> None:
+        self._files: OrderedDict[tuple[int, int, int, int], ElfSymbols | str] = OrderedDict()
+        self._loading: OrderedDict[tuple[int, int, int, int], _Loading] = OrderedDict()
         self._max = max_files
+        self._max_bytes = max_bytes
+        self._max_loading = max_loading
+        self._bytes = 0
+        self._debug_root = debug_root
+        self._clock = clock
+        #: Seconds spent loading files, and how many loads ended (for stats).
+        self.load_seconds = 0.0
+        self.loads = 0
+        #: The slowest load so far: (seconds, symbols).
+        self.slowest: tuple[float, int] = (0.0, 0)
 
     def __len__(self) -> int:
         return len(self._files)
 
-    def get(self, path: str) -> ElfSymbols | None:
-        """The symbols of the file at `path` (None if it is not readable ELF)."""
+    @property
+    def nbytes(self) -> int:
+        """Memory the cached tables hold, roughly."""
+        return self._bytes
+
+    def get(self, path: str, *, deadline: float | None = None) -> ElfSymbols | str:
+        """The symbols of the file at `path`, or the cause they cannot be had.
+
+        Past `deadline` (a `clock` time), no loading is started or continued:
+        the answer is TIME_BUDGET, and a part-loaded file goes on at the next call.
+        """
         try:
             st = os.stat(path)
-        except OSError:
-            return None
+        except OSError as e:
+            return FileRefused.from_os_error(e).cause
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        if key in self._files:
+        done = self._files.get(key)
+        if done is not None:
             self._files.move_to_end(key)
-            return self._files[key]
+            return done
+        if deadline is not None and self._clock() >= deadline:
+            return TIME_BUDGET
+        loading = self._loading.get(key)
+        if loading is None:
+            try:
+                f = open_regular(path)
+            except FileRefused as e:
+                if not e.gone:
+                    self._store(key, e.cause)
+                return e.cause
+            loading = self._loading[key] = _Loading(f, load_steps(f, debug_root=self._debug_root))
+            while len(self._loading) > self._max_loading:
+                self._loading.popitem(last=False)[1].abandon()
+        result = self._advance(loading, deadline)
+        if result is None:
+            return TIME_BUDGET
+        del self._loading[key]
+        loading.file.close()
+        self._store(key, result)
+        return result
+
+    def _advance(self, loading: _Loading, deadline: float | None) -> ElfSymbols | str | None:
+        t0 = self._clock()
         try:
-            syms: ElfSymbols | None = load_elf(path)
-        except (OSError, ValueError):
-            syms = None
-        self._files[key] = syms
-        if len(self._files) > self._max:
-            self._files.popitem(last=False)
-        return syms
+            # At least one step per call, however little time is left (else a
+            # small budget would never load anything): a step is a few ms.
+            next(loading.steps)
+            while deadline is None or self._clock() < deadline:
+                next(loading.steps)
+            return None
+        except StopIteration as done:
+            result: ElfSymbols | str = done.value
+        except ElfError:
+            result = BAD_ELF
+        except FileRefused as e:
+            result = e.cause
+        finally:
+            spent = self._clock() - t0
+            loading.seconds += spent
+            self.load_seconds += spent
+        self.loads += 1
+        if isinstance(result, ElfSymbols) and loading.seconds > self.slowest[0]:
+            self.slowest = (loading.seconds, len(result))
+        return result
 
+    def _store(self, key: tuple[int, int, int, int], value: ElfSymbols | str) -> None:
+        self._files[key] = value
+        self._bytes += value.nbytes if isinstance(value, ElfSymbols) else 0
+        while len(self._files) > self._max or (self._bytes > self._max_bytes and len(self._files) > 1):
+            _, old = self._files.popitem(last=False)
+            self._bytes -= old.nbytes if isinstance(old, ElfSymbols) else 0
 
-# --- C++ names ---------------------------------------------------------------
-
-_demangler: Any = None
-_libc: Any = None
-
-
-def demangle(name: str) -> str:
-    """A C++ symbol demangled by libstdc++ (the name itself when it is not C++)."""
-    global _demangler, _libc
-    if not name.startswith("_Z"):
-        return name
-    if _demangler is None:
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6")
-            fn = lib.__cxa_demangle
-            fn.restype = ctypes.c_void_p
-            fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.POINTER(ctypes.c_int)]
-            _libc = ctypes.CDLL(ctypes.util.find_library("c"))
-            _libc.free.argtypes = [ctypes.c_void_p]
-            _demangler = fn
-        except (OSError, AttributeError):
-            _demangler = False
-    if not _demangler:
-        return name
-    status = ctypes.c_int(0)
-    ptr = _demangler(name.encode(), None, None, ctypes.byref(status))
-    if not ptr:
-        return name
-    try:
-        if status.value != 0:
-            return name
-        return ctypes.string_at(ptr).decode("utf-8", "replace")
-    finally:
-        _libc.free(ptr)
+    def close(self) -> None:
+        """Drop everything, part-loaded files included."""
+        for loading in self._loading.values():
+            loading.abandon()
+        self._loading.clear()
+        self._files.clear()
+        self._bytes = 0

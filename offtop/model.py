@@ -32,6 +32,8 @@ MARK_DEPTH_LIMIT = "[depth limit]"
 MARK_USER_STACK_LOST = "[user stack lost]"
 """The user stack of this block could not be captured or stored."""
 
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
 
 @dataclass(frozen=True, slots=True)
 class Frame:
@@ -43,8 +45,18 @@ class Frame:
 
     @property
     def unknown(self) -> bool:
-        """True when the address could not be resolved to a function."""
-        return self.name.startswith("[") or self.name.startswith("0x")
+        """True when the address could not be resolved to a function.
+
+        Such frames are marks ("[stack truncated]"), bare addresses ("0x…"),
+        or addresses inside a module that could not be named, which read
+        `module+0xOFFSET` (told by their form, so frames read back from JSON
+        without their module are still known as unresolved).
+        """
+        name = self.name
+        if name.startswith(("[", "0x")):
+            return True
+        module, plus, offset = name.rpartition("+0x")
+        return bool(plus and module and offset) and all(c in _HEX_DIGITS for c in offset)
 
 
 @dataclass(frozen=True, slots=True)

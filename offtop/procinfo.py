@@ -1,10 +1,37 @@
-"""Process metadata (user, command line) from psutil, cached and vanish-proof."""
+"""Process metadata (user, command line), cached and vanish-proof.
+
+A command line (and a process name) is whatever bytes the process chose.
+It is read here as bytes and decoded with replacement, like comms, so JSON
+carrying it is exact and valid UTF-8: psutil decodes with surrogateescape
+(lone surrogates in JSON) and in text mode (a CR in an argument becomes LF).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import psutil
+
+from offtop.safe_text import decode, redecode
+
+#: Bytes of a command line kept. Its arguments are the process's to choose,
+#: and the kernel allows megabytes of them.
+CMDLINE_MAX = 64 * 1024
+
+
+def read_cmdline(pid: int, proc: str = "/proc") -> str:
+    """A process's arguments joined by spaces ("" for a kernel thread or a zombie).
+
+    Raises OSError when the process is gone. Longer than `CMDLINE_MAX`
+    bytes, the line is cut there and ends in "…".
+    """
+    with open(f"{proc}/{pid}/cmdline", "rb") as f:
+        raw = f.read(CMDLINE_MAX + 1)
+    if len(raw) > CMDLINE_MAX:
+        return decode(raw[:CMDLINE_MAX].replace(b"\0", b" ")) + "…"
+    # NUL after each argument; a process that rewrote its arguments
+    # (setproctitle) may have left spaces instead.
+    return decode(raw.removesuffix(b"\0").replace(b"\0", b" "))
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +63,8 @@ class ProcessInfoCache:
             info = self._cache.get(key)
             if info is None:
                 with proc.oneshot():
-                    user = proc.username()
-                    cmdline = " ".join(proc.cmdline()) or f"[{proc.name()}]"
+                    user = redecode(proc.username())
+                    cmdline = read_cmdline(pid) or f"[{redecode(proc.name())}]"
                 if len(self._cache) >= self._max:
                     self._cache.clear()
                 info = self._cache[key] = ProcessInfo(pid=pid, user=user, cmdline=cmdline)

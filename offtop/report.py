@@ -2,6 +2,11 @@
 
 JSON is also the recording format: `snapshot_from_json` reads back what
 `snapshot_to_json` wrote, which is how `ReplaySource` plays recordings.
+
+Names (comms, frames, paths) are whatever a process chose. JSON carries them
+exactly (the encoder escapes control characters itself); text and folded
+output go to terminals and line-based tools, so there every control
+character is shown as a visible escape (`offtop.safe_text.printable`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from offtop.model import (
     StackRow,
     TaskRow,
 )
+from offtop.safe_text import printable
 from offtop.units import format_ns
 
 FORMATS = ("text", "json", "folded")
@@ -263,9 +269,15 @@ def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
 # --- folded -------------------------------------------------------------
 
 
-def _fold_name(name: str) -> str:
-    # flamegraph.pl splits on ';' and on the last space.
-    return name.replace(";", ":").replace(" ", "_") or "[unknown]"
+def fold_name(name: str) -> str:
+    """A name as one frame of a folded line: escaped, no `;`, no whitespace."""
+    # One line per stack: control characters escaped (a LF would split the
+    # line), then flamegraph.pl's separators taken out: it splits frames on
+    # ';' and the count off at the last whitespace (any, in its regex).
+    name = printable(name).replace(";", ":")
+    if not name.isascii() or " " in name:
+        name = "".join("_" if c.isspace() else c for c in name)
+    return name or "[unknown]"
 
 
 def folded_lines(snap: Snapshot) -> list[str]:
@@ -275,9 +287,9 @@ def folded_lines(snap: Snapshot) -> list[str]:
         us = round(s.offcpu_ns / 1000)
         if us <= 0:
             continue
-        parts = [_fold_name(s.comm)]
-        parts += [_fold_name(f.name) for f in reversed(s.user)]
-        parts += [_fold_name(f.name) for f in reversed(s.kernel)]
+        parts = [fold_name(s.comm)]
+        parts += [fold_name(f.name) for f in reversed(s.user)]
+        parts += [fold_name(f.name) for f in reversed(s.kernel)]
         lines.append(f"{';'.join(parts)} {us}")
     return lines
 
@@ -289,6 +301,16 @@ def _pct(ns: int, interval_s: float) -> str:
     if interval_s <= 0:
         return "-"
     return f"{100.0 * ns / (interval_s * 1e9):5.1f}%"
+
+
+def _chain(frames: Sequence[Frame]) -> str:
+    return " <- ".join(printable(f.name) for f in frames[:8])
+
+
+def _where(kernel: Sequence[Frame], user: Sequence[Frame]) -> str:
+    """The innermost frame, user side first: where a task blocked."""
+    top = user[0].name if user else (kernel[0].name if kernel else "?")
+    return printable(top)
 
 
 def text_report(snap: Snapshot, *, top_tasks: int = 20, top_stacks: int = 5) -> str:
@@ -304,7 +326,7 @@ def text_report(snap: Snapshot, *, top_tasks: int = 20, top_stacks: int = 5) -> 
     ]
     for t in snap.tasks[:top_tasks]:
         out.append(
-            f"{t.pid:>7} {t.tid:>7} {t.comm[:16]:<16} {format_ns(t.offcpu_ns):>8}"
+            f"{t.pid:>7} {t.tid:>7} {printable(t.comm[:16]):<16} {format_ns(t.offcpu_ns):>8}"
             f" {_pct(t.offcpu_ns, snap.interval_s):>6} {format_ns(t.state_ns.get('S', 0)):>8}"
             f" {format_ns(t.state_ns.get('D', 0)):>8} {t.count:>7} {format_ns(t.max_ns):>8}"
             f" {format_ns(t.total_ns):>8}"
@@ -315,25 +337,25 @@ def text_report(snap: Snapshot, *, top_tasks: int = 20, top_stacks: int = 5) -> 
         out.append("top stacks:")
         for s in snap.stacks[:top_stacks]:
             out.append(
-                f"  {format_ns(s.offcpu_ns):>8} {s.comm} ({s.pid}/{s.tid}) {s.state}"
+                f"  {format_ns(s.offcpu_ns):>8} {printable(s.comm)} ({s.pid}/{s.tid}) {s.state}"
                 f" count {s.count} max {format_ns(s.max_ns)}"
             )
             if s.kernel:
-                out.append("      kernel: " + " <- ".join(f.name for f in s.kernel[:8]))
+                out.append("      kernel: " + _chain(s.kernel))
             if s.user:
-                out.append("      user:   " + " <- ".join(f.name for f in s.user[:8]))
+                out.append("      user:   " + _chain(s.user))
     if snap.long_blocks:
         out.append(f"long blocks (>= {format_ns(snap.threshold_ns)}): {len(snap.long_blocks)}")
         for b in snap.long_blocks[-5:]:
-            top = b.user[0].name if b.user else (b.kernel[0].name if b.kernel else "?")
             out.append(
-                f"  {b.comm} ({b.pid}/{b.tid}) {b.state} {format_ns(b.duration_ns)} in {top}"
+                f"  {printable(b.comm)} ({b.pid}/{b.tid}) {b.state} {format_ns(b.duration_ns)}"
+                f" in {_where(b.kernel, b.user)}"
             )
     if snap.blocked_now:
         out.append("blocked now:")
         for bn in snap.blocked_now[:5]:
-            top = bn.user[0].name if bn.user else (bn.kernel[0].name if bn.kernel else "?")
             out.append(
-                f"  {bn.comm} ({bn.pid}/{bn.tid}) {bn.state} for {format_ns(bn.blocked_ns)} in {top}"
+                f"  {printable(bn.comm)} ({bn.pid}/{bn.tid}) {bn.state}"
+                f" for {format_ns(bn.blocked_ns)} in {_where(bn.kernel, bn.user)}"
             )
     return "\n".join(out)

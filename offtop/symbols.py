@@ -4,8 +4,25 @@ User symbols are cached per (pid, process start time), so a pid reused by a
 new process never inherits the old one's names. A process's memory map is
 read at first sight, while it is alive, and its binaries are opened through
 /proc/PID/map_files, which works even once a binary is deleted or replaced
-on disk; parsed files are shared by every process that maps them
+on disk; parsed files are shared by every process that maps it
 (offtop.elf). Dead processes are forgotten after a grace period.
+
+Everything a process controls is untrusted here: its maps (paths are bytes,
+decoded with replacement), its binaries (offtop.elf checks them), its perf
+map (read only when it is a regular file owned by the process's user or
+root, capped in size and line length, read incrementally). What cannot be
+resolved is said, never guessed:
+
+- an address inside a mapping that cannot be named is `module+0xOFFSET`
+  (the offset in the file), and the cause is counted in `errors`;
+- an address outside every executable mapping and every perf-map entry is
+  not trusted (a frame-pointer walk through code without frame pointers
+  reads garbage): the stack is cut there and ends with MARK_TRUNCATED;
+- caller frames (every address after the first is a return address) are
+  looked up at address - 1, so a function ending in a call to a noreturn
+  function is not reported as the function placed after it;
+- with a `deadline`, files are loaded only until then; later frames come back
+  as `module+0xOFFSET`, uncached, and resolve at a later call.
 """
 
 from __future__ import annotations
@@ -13,11 +30,15 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass, field
 
-from offtop.elf import ElfCache
-from offtop.model import Frame
+from offtop.elf import TIME_BUDGET, ElfCache, ElfSymbols
+from offtop.model import MARK_TRUNCATED, Frame
+from offtop.safe_files import FileRefused, open_regular, read_proc_file
+from offtop.safe_text import decode
 
 #: Kernel frames added by the tracer itself, stripped from the innermost end.
 TRACER_FRAME_PREFIXES = (
@@ -100,58 +121,225 @@ class KernelSymbols:
         return strip_tracer_frames([self.resolve(a) for a in addrs])
 
 
+
+# --- user space ----------------------------------------------------------------------
+
+#: Causes counted in `UserSymbols.errors` beside offtop.safe_files' and offtop.elf's.
+NO_SYMBOL = "no symbol at address"
+UNTRUSTED = "frame outside mappings"
+PROCESS_GONE = "process gone"
+MAPS_TOO_LARGE = "maps too large"
+PERF_MAP_PREFIX = "perf map "
+PERF_MAP_TRUNCATED = "perf map too large"
+PERF_MAP_LONG_LINE = "perf map line too long"
+
+#: Caps on what one process may make offtop read and keep.
+MAX_MAPS_BYTES = 8 << 20
+MAX_MAPPINGS = 16384  # executable mappings kept per process
+MAX_PERF_MAP_BYTES = 64 << 20
+MAX_PERF_MAP_ENTRIES = 1 << 18
+MAX_PERF_MAP_LINE = 4096
+MAX_JIT_NAME_CHARS = 1024
+#: A process's maps and perf map are read again after a miss, at most this often.
+REREAD_S = 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class Mapping:
-    """One executable file mapping of a process (from /proc/PID/maps)."""
+    """One executable mapping of a process (from /proc/PID/maps)."""
 
     start: int
     end: int
     offset: int
-    path: str  # as maps shows it, " (deleted)" included
-    handle: str  # what to open: /proc/PID/map_files/START-END
+    path: str  # as maps shows it (decoded with replacement), " (deleted)" included
+    handle: str  # what to open: /proc/PID/map_files/START-END; "" for anonymous memory
 
     @property
     def module(self) -> str:
-        """The file's base name, without " (deleted)"."""
+        """The file's base name without " (deleted)"; `vdso`, `anon`, … for memory."""
+        if not self.path.startswith("/"):
+            return self.path.strip("[]").split(":", 1)[0] or "anon"
         return os.path.basename(self.path.removesuffix(" (deleted)"))
 
 
-def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:
-    """Executable file mappings of a process, sorted by address ([] if it is gone)."""
+def read_maps(pid: int, proc: str = "/proc", *, errors: Counter[str] | None = None) -> list[Mapping]:
+    """Executable mappings of a process, sorted by address ([] if it is gone).
+
+    At most MAX_MAPS_BYTES of the file and MAX_MAPPINGS mappings are read
+    (a process can map one file 65,000 times); a cut is counted in `errors`.
+    """
     out: list[Mapping] = []
     try:
-        with open(f"{proc}/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
+        data, cut = read_proc_file(f"{proc}/{pid}/maps", MAX_MAPS_BYTES)
+    except FileRefused:
         return out
+    lines = data.split(b"\n")
+    if cut:
+        lines.pop()  # a partial line
     for line in lines:
         parts = line.split(None, 5)
-        if len(parts) < 6 or "x" not in parts[1] or not parts[5].startswith("/"):
+        if len(parts) < 5 or b"x" not in parts[1]:
             continue
-        lo, hi = parts[0].split("-")
-        out.append(Mapping(int(lo, 16), int(hi, 16), int(parts[2], 16), parts[5],
-                           f"{proc}/{pid}/map_files/{parts[0]}"))
+        if len(out) >= MAX_MAPPINGS:
+            cut = True
+            break
+        lo, _, hi = parts[0].partition(b"-")
+        try:
+            start, end, offset = int(lo, 16), int(hi, 16), int(parts[2], 16)
+        except ValueError:
+            continue
+        path = decode(parts[5]) if len(parts) == 6 else ""
+        # map_files names are unpadded (maps pads addresses to 8 digits).
+        handle = f"{proc}/{pid}/map_files/{start:x}-{end:x}" if path.startswith("/") else ""
+        out.append(Mapping(start, end, offset, path, handle))
+    if cut and errors is not None:
+        errors[MAPS_TOO_LARGE] += 1
     out.sort(key=lambda m: m.start)
     return out
 
 
-def read_perf_map(pid: int, proc: str = "/proc") -> list[tuple[int, int, str]]:
-    """JIT symbols a runtime wrote to /tmp/perf-PID.map (start, size, name)."""
-    for path in (f"{proc}/{pid}/root/tmp/perf-{pid}.map", f"/tmp/perf-{pid}.map"):
-        try:
-            with open(path, errors="replace") as f:
-                out = []
-                for line in f:
-                    parts = line.rstrip("\n").split(" ", 2)
-                    if len(parts) == 3:
-                        try:
-                            out.append((int(parts[0], 16), int(parts[1], 16), parts[2]))
-                        except ValueError:
-                            continue
-                return sorted(out)
-        except OSError:
-            continue
-    return []
+def process_euid(pid: int, proc: str = "/proc") -> int | None:
+    """The effective uid of a process (from /proc/PID/status), or None if gone."""
+    try:
+        data, _ = read_proc_file(f"{proc}/{pid}/status", 64 << 10)
+    except FileRefused:
+        return None
+    for line in data.split(b"\n"):
+        if line.startswith(b"Uid:"):
+            fields = line.split()
+            if len(fields) >= 3 and fields[2].isdigit():
+                return int(fields[2])
+    return None
+
+
+class PerfMap:
+    """A process's JIT symbols from /tmp/perf-PID.map, read as the file grows.
+
+    perf's own rule: the file is read only if it is a regular file owned by
+    the process's user or by root, so a file another user planted for
+    someone else's pid is ignored; it is never followed through a symlink.
+    Reads are capped in total bytes, entries and line length: a 1 GB
+    sparse file without a newline costs one capped read, no memory.
+    """
+
+    def __init__(self, paths: Sequence[str], owners: Collection[int]) -> None:
+        self._paths = paths
+        self._owners = owners
+        self._identity: tuple[int, int] | None = None
+        self._offset = 0  # bytes consumed so far
+        self._carry = b""  # a line not yet ended
+        self._skipping = False  # inside a line longer than MAX_PERF_MAP_LINE
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._names: list[str] = []
+        #: Problems met so far, by cause (each counted once by UserSymbols).
+        self.errors: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def _reset(self, identity: tuple[int, int]) -> None:
+        self._identity = identity
+        self._offset = 0
+        self._carry = b""
+        self._skipping = False
+        self._starts, self._ends, self._names = [], [], []
+
+    def lookup(self, addr: int) -> str | None:
+        """The JIT symbol containing `addr`, if any."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and addr < self._ends[i]:
+            return self._names[i]
+        return None
+
+    def refresh(self, deadline: float | None = None,
+                clock: Callable[[], float] = time.monotonic) -> None:
+        """Read what was appended since the last refresh (until `deadline`)."""
+        f = None
+        for path in self._paths:
+            try:
+                f = open_regular(path, follow_symlinks=False, owners=self._owners)
+                break
+            except FileRefused as e:
+                if not e.gone:
+                    self.errors.add(PERF_MAP_PREFIX + e.cause)
+                    return
+        if f is None:
+            return
+        with f:
+            identity = (f.stat.st_dev, f.stat.st_ino)
+            if identity != self._identity or f.size < self._offset:  # replaced or rewritten
+                self._reset(identity)
+            limit = min(f.size, MAX_PERF_MAP_BYTES) - self._offset
+            if f.size > MAX_PERF_MAP_BYTES:
+                self.errors.add(PERF_MAP_TRUNCATED)
+            added: list[tuple[int, int, str]] = []
+            try:
+                for chunk in f.chunks(start=self._offset, limit=max(0, limit)):
+                    self._offset += len(chunk)
+                    self._take(chunk, added)
+                    if deadline is not None and clock() >= deadline:
+                        break
+            except FileRefused as e:
+                self.errors.add(PERF_MAP_PREFIX + e.cause)
+        if added:
+            self._add(added)
+
+    def _take(self, chunk: bytes, added: list[tuple[int, int, str]]) -> None:
+        lines = chunk.split(b"\n")
+        last = lines.pop()  # not ended yet (b"" when the chunk ends a line)
+        if lines:
+            first = lines[0]
+            if self._skipping:
+                lines[0] = b""  # the end of an overlong line
+                self._skipping = False
+            else:
+                lines[0] = self._carry + first
+            self._carry = b""
+        for line in lines:
+            if len(line) > MAX_PERF_MAP_LINE:
+                self.errors.add(PERF_MAP_LONG_LINE)
+                continue
+            entry = _perf_map_entry(line)
+            if entry is not None and len(self._starts) + len(added) < MAX_PERF_MAP_ENTRIES:
+                added.append(entry)
+        if self._skipping:
+            return
+        if len(self._carry) + len(last) > MAX_PERF_MAP_LINE:
+            self.errors.add(PERF_MAP_LONG_LINE)
+            self._carry = b""
+            self._skipping = True
+        else:
+            self._carry += last
+
+    def _add(self, added: list[tuple[int, int, str]]) -> None:
+        added.sort()
+        if self._starts and added[0][0] < self._starts[-1]:
+            merged = sorted(zip(self._starts, self._ends, self._names, strict=True))
+            merged += added
+            merged.sort()
+        else:
+            merged = [*zip(self._starts, self._ends, self._names, strict=True), *added]
+        self._starts = [e[0] for e in merged]
+        self._ends = [e[1] for e in merged]
+        self._names = [e[2] for e in merged]
+
+
+def _perf_map_entry(line: bytes) -> tuple[int, int, str] | None:
+    """`START SIZE NAME` (hex, as perf writes and reads it) or None."""
+    parts = line.split(b" ", 2)
+    if len(parts) != 3:
+        return None
+    try:
+        start, size = int(parts[0], 16), int(parts[1], 16)
+    except ValueError:
+        return None
+    if not 0 < size < 1 << 40 or not 0 <= start < 1 << 64:
+        return None
+    name = decode(parts[2])
+    if len(name) > MAX_JIT_NAME_CHARS:
+        name = name[: MAX_JIT_NAME_CHARS - 1] + "…"
+    return start, start + size, name
 
 
 @dataclass(slots=True)
@@ -159,9 +347,11 @@ class _Proc:
     start: int
     maps: list[Mapping]
     starts: list[int]
+    maps_read_at: float
     frames: dict[int, Frame] = field(default_factory=dict)
     dead_since: float | None = None
-    perf_map: list[tuple[int, int, str]] | None = None
+    perf_map: PerfMap | None = None
+    perf_map_read_at: float = float("-inf")
 
 
 class UserSymbols:
@@ -172,19 +362,30 @@ class UserSymbols:
         *,
         grace_s: float = 30.0,
         max_processes: int = 4096,
+        max_frames: int = 1 << 20,
         clock: Callable[[], float] = time.monotonic,
         start_time: Callable[[int], int | None] = process_start_time,
-        maps: Callable[[int], list[Mapping]] = read_maps,
+        maps: Callable[[int], list[Mapping]] | None = None,
         elf_cache: ElfCache | None = None,
+        proc: str = "/proc",
     ) -> None:
         self._procs: dict[int, _Proc] = {}
         self._grace = grace_s
         self._max = max_processes
+        self._max_frames = max_frames
+        self._frames = 0  # cached frames, all processes together
         self._clock = clock
         self._start_time = start_time
-        self._read_maps = maps
-        self.elf = elf_cache or ElfCache()
+        self._errors: Counter[str] = Counter()
+        self._read_maps = maps or (lambda pid: read_maps(pid, proc, errors=self._errors))
+        self._proc_root = proc
+        self.elf = elf_cache or ElfCache(clock=clock)
         self.misses = 0
+
+    @property
+    def errors(self) -> MappingABC[str, int]:
+        """Frames that could not be named since offtop started, by cause."""
+        return self._errors
 
     @property
     def cached_processes(self) -> int:
@@ -193,7 +394,8 @@ class UserSymbols:
 
     def _new_proc(self, pid: int, start: int) -> _Proc:
         maps = self._read_maps(pid)
-        return _Proc(start=start, maps=maps, starts=[m.start for m in maps])
+        return _Proc(start=start, maps=maps, starts=[m.start for m in maps],
+                     maps_read_at=self._clock())
 
     def _proc(self, pid: int) -> _Proc | None:
         start = self._start_time(pid)
@@ -205,7 +407,7 @@ class UserSymbols:
                 return p
             if start == p.start:
                 return p
-            del self._procs[pid]  # pid reused by another process
+            self._forget(pid)  # pid reused by another process
         if start is None:
             return None
         if len(self._procs) >= self._max:
@@ -213,70 +415,134 @@ class UserSymbols:
         p = self._procs[pid] = self._new_proc(pid, start)
         return p
 
+    def _forget(self, pid: int) -> None:
+        p = self._procs.pop(pid)
+        self._frames -= len(p.frames)
+
     def see(self, pid: int) -> None:
         """Read a process's memory map at first sight, while it is alive."""
         self._proc(pid)
 
-    def resolve_stack(self, pid: int, addrs: Iterable[int]) -> tuple[Frame, ...]:
-        """A user stack, innermost first."""
+    def resolve_stack(self, pid: int, addrs: Iterable[int], *,
+                      deadline: float | None = None) -> tuple[Frame, ...]:
+        """A user stack, innermost first (see the module docstring).
+
+        `deadline` is a time on this object's clock (time.monotonic by
+        default) after which no file is loaded: frames that would need one
+        come back as `module+0xOFFSET`, uncached, counted as TIME_BUDGET.
+        """
+        addrs = list(addrs)
+        if not addrs:
+            return ()
         p = self._proc(pid)
-        out = []
-        for a in addrs:
-            if p is None:
-                self.misses += 1
-                out.append(Frame(name=f"0x{a:x}", module="", kernel=False))
-                continue
-            f = p.frames.get(a)
+        if p is None:
+            self._miss(PROCESS_GONE)
+            return (Frame(name=MARK_TRUNCATED),)
+        out: list[Frame] = []
+        for n, addr in enumerate(addrs):
+            # Every address after the first is a return address: the call
+            # is the instruction before it (address - 1 lies inside it).
+            look = addr if n == 0 else addr - 1
+            key = addr << 1 | (n != 0)
+            f = p.frames.get(key)
             if f is None:
-                f = self._resolve(pid, p, a)
-                if not f.unknown:
-                    p.frames[a] = f
+                f, keep = self._resolve(pid, p, addr, look, deadline)
+                if f is None:
+                    out.append(Frame(name=MARK_TRUNCATED))
+                    break
+                if keep:
+                    self._remember(p, key, f)
             out.append(f)
         return tuple(out)
 
-    def _mapping(self, pid: int, p: _Proc, addr: int) -> Mapping | None:
+    def _remember(self, p: _Proc, key: int, f: Frame) -> None:
+        if self._frames >= self._max_frames:  # a bound on memory, whatever processes do
+            for q in self._procs.values():
+                q.frames.clear()
+            self._frames = 0
+        p.frames[key] = f
+        self._frames += 1
+
+    def _miss(self, cause: str) -> None:
+        self.misses += 1
+        self._errors[cause] += 1
+
+    def _mapping(self, pid: int, p: _Proc, addr: int, deadline: float | None) -> Mapping | None:
         i = bisect.bisect_right(p.starts, addr) - 1
         if i >= 0 and addr < p.maps[i].end:
             return p.maps[i]
-        if p.dead_since is None:  # mapped since we looked (dlopen): look again
-            fresh = self._new_proc(pid, p.start)
-            p.maps, p.starts = fresh.maps, fresh.starts
+        now = self._clock()
+        if (p.dead_since is None and now - p.maps_read_at >= REREAD_S
+                and (deadline is None or now < deadline)):
+            # Mapped since we looked (dlopen, a JIT): look again, not more than
+            # once a REREAD_S, since a junk address would otherwise cost a
+            # read of the whole map every time.
+            p.maps = self._read_maps(pid)
+            p.starts = [m.start for m in p.maps]
+            p.maps_read_at = now
             i = bisect.bisect_right(p.starts, addr) - 1
             if i >= 0 and addr < p.maps[i].end:
                 return p.maps[i]
         return None
 
-    def _resolve(self, pid: int, p: _Proc, addr: int) -> Frame:
-        m = self._mapping(pid, p, addr)
-        if m is None:
-            name = self._jit_name(pid, p, addr)
-            if name is not None:
-                return Frame(name=name, module="[jit]", kernel=False)
-            self.misses += 1
-            return Frame(name=f"0x{addr:x}", module="", kernel=False)
-        file_off = addr - m.start + m.offset
-        syms = self.elf.get(m.handle)
-        if syms is None and p.dead_since is not None and not m.path.endswith(" (deleted)"):
-            syms = self.elf.get(m.path)  # map_files are gone with the process
-        if syms is not None:
-            vaddr = syms.vaddr_of(file_off)
+    def _resolve(self, pid: int, p: _Proc, addr: int, look: int,
+                 deadline: float | None) -> tuple[Frame | None, bool]:
+        """The frame at `addr` (looked up at `look`), and whether to cache it.
+
+        None: the address is in no mapping, not to be trusted.
+        """
+        m = self._mapping(pid, p, look, deadline)
+        if m is not None and m.handle:
+            return self._file_frame(p, m, addr, look, deadline)
+        name = self._jit_name(pid, p, look, deadline)
+        if name is not None:
+            return Frame(name=name, module="[jit]", kernel=False), True
+        if m is not None:  # anonymous executable memory (a JIT without a perf map, vdso)
+            self._miss(NO_SYMBOL)
+            return Frame(name=f"{m.module}+0x{addr - m.start:x}", module=m.module, kernel=False), True
+        self._miss(UNTRUSTED)
+        return None, False
+
+    def _file_frame(self, p: _Proc, m: Mapping, addr: int, look: int,
+                    deadline: float | None) -> tuple[Frame, bool]:
+        syms = self.elf.get(m.handle, deadline=deadline)
+        if not isinstance(syms, ElfSymbols) and p.dead_since is not None \
+                and not m.path.endswith(" (deleted)"):
+            syms = self.elf.get(m.path, deadline=deadline)  # map_files are gone with the process
+        if isinstance(syms, ElfSymbols):
+            vaddr = syms.vaddr_of(look - m.start + m.offset)
             name = syms.lookup(vaddr) if vaddr is not None else None
             if name is not None:
-                return Frame(name=name, module=m.module, kernel=False)
-        self.misses += 1
-        return Frame(name=f"[{m.module}+0x{file_off:x}]", module=m.module, kernel=False)
+                return Frame(name=name, module=m.module, kernel=False), True
+            cause = NO_SYMBOL
+        else:
+            cause = syms if isinstance(syms, str) else "unreadable"
+        self._miss(cause)
+        frame = Frame(name=f"{m.module}+0x{addr - m.start + m.offset:x}", module=m.module, kernel=False)
+        return frame, cause != TIME_BUDGET
 
-    def _jit_name(self, pid: int, p: _Proc, addr: int) -> str | None:
-        if p.perf_map is None:
-            p.perf_map = read_perf_map(pid)
-        if not p.perf_map:
-            return None
-        i = bisect.bisect_right(p.perf_map, (addr, 1 << 64, "")) - 1
-        if i >= 0:
-            start, size, name = p.perf_map[i]
-            if start <= addr < start + size:
+    def _jit_name(self, pid: int, p: _Proc, addr: int, deadline: float | None) -> str | None:
+        if p.perf_map is not None:
+            name = p.perf_map.lookup(addr)
+            if name is not None:
                 return name
-        return None
+        now = self._clock()
+        if p.dead_since is not None or now - p.perf_map_read_at < REREAD_S:
+            return None
+        if deadline is not None and now >= deadline:
+            return None
+        p.perf_map_read_at = now
+        if p.perf_map is None:
+            euid = process_euid(pid, self._proc_root)
+            if euid is None:
+                return None
+            p.perf_map = PerfMap((f"{self._proc_root}/{pid}/root/tmp/perf-{pid}.map",
+                                  f"/tmp/perf-{pid}.map"), owners={0, euid})
+        before = set(p.perf_map.errors)
+        p.perf_map.refresh(deadline, self._clock)
+        for cause in p.perf_map.errors - before:
+            self._errors[cause] += 1
+        return p.perf_map.lookup(addr)
 
     def evict(self, *, force: bool = False) -> int:
         """Forget processes dead for longer than the grace period; return how many."""
@@ -288,9 +554,11 @@ class UserSymbols:
             if p.dead_since is not None and now - p.dead_since >= self._grace:
                 gone.append(pid)
         for pid in gone:
-            del self._procs[pid]
+            self._forget(pid)
         return len(gone)
 
     def close(self) -> None:
         """Forget everything."""
         self._procs.clear()
+        self._frames = 0
+        self.elf.close()

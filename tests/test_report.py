@@ -49,3 +49,29 @@ def test_text_report_lists_tasks_stacks_and_blocks() -> None:
     text = text_report(snapshot())
     assert "app[1]" in text and "2.50ms" in text
     assert "long blocks" in text and "blocked now" in text
+
+
+def test_hostile_names_are_escaped_in_text_and_folded_and_exact_in_json() -> None:
+    evil_k = (Frame("schedule", "kernel", True), Frame("k\x1b[2J", "kernel", True))
+    evil_u = (Frame("jit\x1b]0;PWNED\x07 a;b\u2028", "[anon]"), Frame("main\n", "app"))
+    comm = "\x1b]0;PWNED\x07\r\n\x08\udcff"
+    snap = Aggregator().build(
+        [Sample(10, 11, comm, "S", 2_500_000, 3, 1_000_000, evil_k, evil_u)],
+        time=1_700_000_000.5, interval_s=1.0, threshold_ns=500_000_000,
+        long_blocks=[LongBlock(1_700_000_000.2, 10, 11, comm, "S", 600_000_000, evil_k, evil_u,
+                               7)],
+        blocked_now=[BlockedNow(10, 11, comm, "D", 9_000_000, evil_k, evil_u)],
+    )
+    text = text_report(snap)
+    assert all(line.isprintable() for line in text.split("\n")), text
+    escaped = "\\x1b]0;PWNED\\x07\\x0d\\x0a\\x08\\xff"
+    assert text.count(escaped) == 4  # the task, its stack, the long block, blocked now
+    assert "jit\\x1b]0;PWNED\\x07 a;b\\u2028" in text and "k\\x1b[2J" in text
+    (line,) = folded_lines(snap)
+    fold_comm = escaped.replace(";", ":")
+    assert line == f"{fold_comm};main\\x0a;jit\\x1b]0:PWNED\\x07_a:b\\u2028;k\\x1b[2J;schedule 2500"
+    # JSON: the names exactly (the encoder escapes control characters itself).
+    d = json.loads(json.dumps(snapshot_to_json(snap)))
+    assert d["tasks"][0]["comm"] == d["stacks"][0]["comm"] == comm
+    assert d["stacks"][0]["user"] == [evil_u[0].name, "main\n"]
+    assert d["blocked_now"][0]["comm"] == d["long_blocks"][0]["comm"] == comm

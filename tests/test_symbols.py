@@ -1,11 +1,43 @@
-"""Unit tests of symbol resolution: kallsyms, tracer frames, per-process caches."""
+"""Unit tests of symbol resolution: kallsyms, tracer frames, per-process caches,
+caller frames at return address - 1, untrusted frames, time budgets, demangling.
+
+Hostile inputs (malformed ELF files, FIFOs, huge perf maps) are in
+test_hostile_files.py.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from offtop.model import Frame
-from offtop.symbols import KernelSymbols, UserSymbols, strip_tracer_frames
+import pytest
+
+from offtop.demangle import demangle
+from offtop.elf import TIME_BUDGET, ElfCache, load_elf
+from offtop.model import MARK_TRUNCATED, Frame
+from offtop.symbols import (
+    NO_SYMBOL,
+    UNTRUSTED,
+    KernelSymbols,
+    Mapping,
+    UserSymbols,
+    read_maps,
+    strip_tracer_frames,
+)
+
+LIBC = ctypes.CDLL("libc.so.6")
+
+
+def _addr(fn: object) -> int:
+    a = ctypes.cast(fn, ctypes.c_void_p).value
+    assert a
+    return a
 
 
 def test_kallsyms_bisects_and_strips_tracer_frames(tmp_path: Path) -> None:
@@ -29,31 +61,334 @@ def test_tracer_frames_only_stripped_from_the_innermost_end() -> None:
     assert [f.name for f in strip_tracer_frames(fs)] == ["__schedule", "bpf_prog_x"]
 
 
-def test_user_symbols_resolve_this_process_through_its_maps_and_elf() -> None:
-    import ctypes
-    import os
-
-    libc = ctypes.CDLL("libc.so.6")
-    getpid = ctypes.cast(libc.getpid, ctypes.c_void_p).value
-    assert getpid
+def test_user_symbols_resolve_this_process_and_cut_at_an_untrusted_frame() -> None:
+    getpid = _addr(LIBC.getpid)
     u = UserSymbols()
-    frames = u.resolve_stack(os.getpid(), [getpid + 1, 0x10])
-    assert frames[0].name in ("getpid", "__getpid") and frames[0].module == "libc.so.6"
-    assert frames[1].name == "0x10" and frames[1].unknown  # in no mapping
+    frames = u.resolve_stack(os.getpid(), [getpid + 1, getpid + 2])
+    assert [f.name for f in frames] == ["getpid", "getpid"] or frames[0].name == "__getpid"
+    assert frames[0].module == "libc.so.6" and not frames[0].unknown
+
+    # 0x10 is in no mapping: a junk address (a frame-pointer walk through
+    # code without frame pointers) is not shown; the stack ends there, marked.
+    frames = u.resolve_stack(os.getpid(), [getpid + 1, 0x10, getpid + 1])
+    assert [f.name for f in frames] == [frames[0].name, MARK_TRUNCATED]
+    assert frames[-1].unknown
+    assert u.errors == {UNTRUSTED: 1}
     assert u.misses == 1
 
 
-def test_read_maps_keeps_executable_file_mappings(tmp_path: Path) -> None:
-    from offtop.symbols import read_maps
+def test_unresolved_frames_inside_a_mapping_read_module_plus_offset(tmp_path: Path) -> None:
+    # A mapping of a file with no symbol at the address: trusted, named by
+    # module and file offset, without brackets, and known as unresolved.
+    getpid = _addr(LIBC.getpid)
+    (m,) = [m for m in read_maps(os.getpid()) if m.start <= getpid < m.end]
+    libc = load_elf(m.handle)
+    # An address in libc's executable mapping between two symbols, if any,
+    # else the first byte of the mapping (the ELF header's page).
+    u = UserSymbols()
+    frames = u.resolve_stack(os.getpid(), [m.start])
+    if libc.lookup(libc.vaddr_of(m.offset) or 0) is None:
+        assert frames[0].name == f"libc.so.6+0x{m.offset:x}"
+        assert frames[0].module == "libc.so.6" and frames[0].unknown
+        assert u.errors == {NO_SYMBOL: 1}
+    assert Frame("libc.so.6+0x1a2b", "libc.so.6").unknown
+    assert Frame("libc.so.6+0x1a2b").unknown  # read back from JSON without its module
+    assert not Frame("operator+", "libstdc++.so.6").unknown
 
+
+def test_a_process_gone_before_first_sight_gives_a_marked_empty_stack() -> None:
+    u = UserSymbols(start_time=lambda pid: None)
+    assert [f.name for f in u.resolve_stack(4242, [0x401000, 0x401100])] == [MARK_TRUNCATED]
+    assert u.resolve_stack(4242, []) == ()
+
+
+def test_read_maps_keeps_executable_mappings_and_decodes_paths(tmp_path: Path) -> None:
     (tmp_path / "77").mkdir()
-    (tmp_path / "77" / "maps").write_text(
-        "55d0a000-55d0b000 r--p 00000000 fe:00 12 /usr/bin/app\n"
-        "55d0b000-55d0c000 r-xp 00001000 fe:00 12 /usr/bin/app\n"
-        "7f00000-7f01000 r-xp 00000000 00:00 0 [vdso]\n"
-        "7f10000-7f11000 r-xp 00002000 fe:00 13 /tmp/gone (deleted)\n"
+    (tmp_path / "77" / "maps").write_bytes(
+        b"55d0a000-55d0b000 r--p 00000000 fe:00 12 /usr/bin/app\n"
+        b"55d0b000-55d0c000 r-xp 00001000 fe:00 12 /usr/bin/app\n"
+        b"7f00000-7f01000 r-xp 00000000 00:00 0 [vdso]\n"
+        b"7f10000-7f11000 r-xp 00002000 fe:00 13 /tmp/gone (deleted)\n"
+        b"7f20000-7f21000 r-xp 00003000 fe:00 14 /tmp/caf\xe9\x1b[2J.so\n"
+        b"7f30000-7f31000 rwxp 00000000 00:00 0 \n"
     )
     maps = read_maps(77, proc=str(tmp_path))
     assert [(m.start, m.offset, m.module) for m in maps] == [
-        (0x7F10000, 0x2000, "gone"), (0x55D0B000, 0x1000, "app")]
-    assert maps[1].handle == f"{tmp_path}/77/map_files/55d0b000-55d0c000"
+        (0x7F00000, 0, "vdso"), (0x7F10000, 0x2000, "gone"),
+        (0x7F20000, 0x3000, "caf\ufffd\x1b[2J.so"), (0x7F30000, 0, "anon"),
+        (0x55D0B000, 0x1000, "app")]
+    assert maps[-1].handle == f"{tmp_path}/77/map_files/55d0b000-55d0c000"
+    assert maps[0].handle == "" and maps[3].handle == ""  # memory, not files
+
+
+# --- caller frames at return address - 1 ----------------------------------------------
+
+NORETURN_C = r"""
+#include <stdio.h>
+#include <unistd.h>
+
+volatile int sink;
+
+/* Never returns: a call to it can be the last instruction of its caller. */
+__attribute__((noreturn, noinline)) void die(int code)
+{
+    sink = code;
+    for (;;)
+        pause();
+}
+
+/* Ends in `call die`: its return address is the first byte of after_caller. */
+__attribute__((noinline)) void caller(int x)
+{
+    sink = x * 3;
+    die(x);
+}
+
+__attribute__((noinline)) void after_caller(void)
+{
+    puts("after");
+}
+
+int main(int argc, char **argv)
+{
+    (void)argv;
+    if (argc > 5)
+        after_caller();
+    printf("ready pid=%d\n", getpid());
+    fflush(stdout);
+    caller(argc);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def noreturn_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """NORETURN_C at -O2, not PIE (addresses are the ELF's), functions packed in source order."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.fail("no C compiler: run the README's test command (it installs gcc)")
+    d = tmp_path_factory.mktemp("noreturn")
+    (d / "noreturn.c").write_text(NORETURN_C)
+    subprocess.run([cc, "-O2", "-no-pie", "-falign-functions=1", "-fno-reorder-functions",
+                    "-o", str(d / "noreturn"), str(d / "noreturn.c")], check=True)
+    return d / "noreturn"
+
+
+@pytest.fixture
+def noreturn_proc(noreturn_bin: Path) -> Iterator[int]:
+    """The program, blocked in die() called from caller(); yields its pid."""
+    p = subprocess.Popen([str(noreturn_bin)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        m = re.match(r"ready pid=(\d+)", p.stdout.readline())
+        assert m
+        yield p.pid
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _symbols(binary: Path) -> dict[str, tuple[int, int]]:
+    """name -> (address, size), from binutils' nm (not from offtop's own reader)."""
+    out = subprocess.run(["nm", "-S", str(binary)], capture_output=True, text=True, check=True).stdout
+    syms = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 4:
+            syms[parts[3]] = (int(parts[0], 16), int(parts[1], 16))
+    return syms
+
+
+def test_caller_frames_are_looked_up_at_return_address_minus_one(noreturn_bin: Path,
+                                                                  noreturn_proc: int) -> None:
+    syms = _symbols(noreturn_bin)
+    caller_start, caller_size = syms["caller"]
+    ret_into_caller = caller_start + caller_size
+    # The case this is about: caller ends in its call to die, so the return
+    # address is where the next function begins.
+    assert syms["after_caller"][0] == ret_into_caller, "the compiler laid the functions out otherwise"
+    die_ip = syms["die"][0] + 4
+    main_ret = syms["main"][0] + syms["main"][1] // 2
+
+    u = UserSymbols()
+    frames = u.resolve_stack(noreturn_proc, [die_ip, ret_into_caller, main_ret])
+    assert [f.name for f in frames] == ["die", "caller", "main"]
+    assert {f.module for f in frames} == {noreturn_bin.name}
+    # The first address is where the thread is (not a return address): as it is.
+    assert [f.name for f in u.resolve_stack(noreturn_proc, [ret_into_caller])] == ["after_caller"]
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb (Debian's gdb) is not installed")
+def test_caller_frames_match_gdbs_backtrace(noreturn_bin: Path, noreturn_proc: int) -> None:
+    bt = subprocess.run(["gdb", "-p", str(noreturn_proc), "-batch", "-nx", "-ex", "bt"],
+                        capture_output=True, text=True, timeout=60).stdout
+    frames = re.findall(r"^#\d+\s+(0x[0-9a-f]+) in (\w+) ", bt, re.M)
+    assert len(frames) >= 3, bt
+    ours = UserSymbols().resolve_stack(noreturn_proc, [int(a, 16) for a, _ in frames])
+    theirs = [name for _, name in frames]
+    mine = [f for f, (_, name) in zip(ours, frames, strict=False) if name in ("die", "caller", "main")]
+    assert [f.name for f in mine] == [n for n in theirs if n in ("die", "caller", "main")]
+    assert [f.name for f in mine] == ["die", "caller", "main"]
+
+
+# --- time budget ---------------------------------------------------------------------
+
+
+def test_past_the_deadline_frames_are_deferred_uncached_then_resolve() -> None:
+    getpid = _addr(LIBC.getpid)
+    now = [100.0]
+    u = UserSymbols(clock=lambda: now[0], elf_cache=ElfCache(clock=lambda: now[0]))
+    frames = u.resolve_stack(os.getpid(), [getpid + 1], deadline=99.0)
+    assert frames[0].module == "libc.so.6" and frames[0].unknown
+    assert re.fullmatch(r"libc\.so\.6\+0x[0-9a-f]+", frames[0].name)
+    assert u.errors == {TIME_BUDGET: 1}
+    # Not cached: a later interval with time left resolves it.
+    frames = u.resolve_stack(os.getpid(), [getpid + 1], deadline=101.0)
+    assert not frames[0].unknown and "getpid" in frames[0].name
+    assert u.errors == {TIME_BUDGET: 1}
+
+
+def test_a_big_file_loads_in_bounded_steps_across_calls() -> None:
+    """Each get() does at most about one step past its deadline; the file still loads."""
+    path = "/usr/lib/x86_64-linux-gnu/libc.so.6"
+    ticks = [0.0]
+
+    def clock() -> float:  # every look at the clock is a millisecond later
+        ticks[0] += 0.001
+        return ticks[0]
+
+    cache = ElfCache(clock=clock)
+    calls = 0
+    result = cache.get(path, deadline=clock() + 0.0015)
+    while result == TIME_BUDGET:
+        calls += 1
+        assert calls < 1000
+        result = cache.get(path, deadline=clock() + 0.0015)
+    assert calls >= 3  # it took several intervals
+    assert not isinstance(result, str)
+    whole = load_elf(path)
+    assert len(result) == len(whole) > 1000
+    getpid = _addr(LIBC.getpid)
+    (m,) = [m for m in read_maps(os.getpid()) if m.start <= getpid < m.end]
+    vaddr = whole.vaddr_of(getpid - m.start + m.offset)
+    assert vaddr is not None and result.lookup(vaddr) == whole.lookup(vaddr)
+
+
+# --- demangling ----------------------------------------------------------------------
+
+#: Real v0 and legacy Rust symbols, from rustc 1.95's std and a small program (crate `m`)
+#: built with -C symbol-mangling-version=v0 and legacy, and names from rustc-demangle's
+#: own test suite; the expected names are c++filt's (binutils 2.40) without disambiguators.
+RUST_NAMES = {
+    "_RNvNtNtCsjrHSEGnQ3l9_3std6thread9functions5sleep": "std::thread::functions::sleep",
+    "_RINvMNtCsgEmfK2I1SDS_4core3stre18trim_start_matchesReECsgY6Mt91CT9J_14rustc_demangle":
+        "<str>::trim_start_matches::<&str>",
+    "_RNvXCskK7mfDs1mzF_1mINtB2_3DoghENtB2_5Speak5speakB2_": "<m::Dog<u8> as m::Speak>::speak",
+    "_RNvCskK7mfDs1mzF_1mu19sleeper_ncode_xjb7q": "m::sleeper_ünïcode",
+    "_RINvNtCsgEmfK2I1SDS_4core3ptr13drop_in_placeINtNtCslNYArtu3iFV_5alloc5boxed3Box"
+    "DNtCskK7mfDs1mzF_1m5SpeakEL_EEB1i_": "core::ptr::drop_in_place::<alloc::boxed::Box<dyn m::Speak>>",
+    "_RINvMs6_NtCsgvbsrvnw3yD_9hashbrown3rawINtB6_8RawTableTNtNtCslNYArtu3iFV_5alloc6string6String"
+    "TxReEEE14reserve_rehashNCINvNtB8_3map11make_hasherBQ_B1s_NtNtNtCsjrHSEGnQ3l9_3std4hash6random"
+    "11RandomStateE0ECskK7mfDs1mzF_1m.llvm.7772612486167842130":
+        "<hashbrown::raw::RawTable<(alloc::string::String, (i64, &str))>>::reserve_rehash::"
+        "<hashbrown::map::make_hasher<alloc::string::String, (i64, &str), "
+        "std::hash::random::RandomState>::{closure#0}>",
+    "_RNCNCNgCs6DXkGYLi8lr_2cc5spawn00B5_": "cc::spawn::{closure#0}::{closure#0}",
+    "_RNCINkXs25_NgCsbmNqQUJIY6D_4core5sliceINyB9_4IterhENuNgNoBb_4iter8iterator8Iterator"
+    "9rpositionNCNgNpB9_6memchr7memrchrs_0E0Bb_":
+        "<core::slice::Iter<u8> as core::iter::iterator::Iterator>::rposition::"
+        "<core::slice::memchr::memrchr::{closure#1}>::{closure#0}",
+    "_RINbNbCskIICzLVDPPb_5alloc5alloc8box_freeDINbNiB4_5boxed5FnBoxuEp6OutputuEL_ECs1iopQbuBiw2_3std":
+        "alloc::alloc::box_free::<dyn alloc::boxed::FnBox<(), Output = ()>>",
+    "_RMC0INtC8arrayvec8ArrayVechKj7b_E": "<arrayvec::ArrayVec<u8, 123>>",
+    "_RIC0KVNtC3foo3BarS1sRe616263_2chc78_5sliceRAh1_h2_h3_EEE":
+        "::<{foo::Bar { s: \"abc\", ch: 'x', slice: &[1, 2, 3] }}>",
+    "_RNvC9backtrace3foo.llvm.A5310EB9": "backtrace::foo",
+    "_ZN44_$LT$m..Dog$LT$T$GT$$u20$as$u20$m..Speak$GT$5speak17h76cdd42951cdc6b6E":
+        "<m::Dog<T> as m::Speak>::speak",
+    "_ZN3std2rt10lang_start28_$u7b$$u7b$closure$u7d$$u7d$17h168e94e611939a97E":
+        "std::rt::lang_start::{{closure}}",
+    "_ZN9hashbrown3raw21RawTable$LT$T$C$A$GT$14reserve_rehash17h48425dada2ec8bd9E.llvm.13492872851188584864":
+        "hashbrown::raw::RawTable<T,A>::reserve_rehash",
+    "_ZN4core5slice89_$LT$impl$u20$core..iter..traits..IntoIterator$u20$for$u20$$RF$$u27$a$u20$"
+    "$u5b$T$u5d$$GT$9into_iter17h450e234d27262170E":
+        "core::slice::<impl core::iter::traits::IntoIterator for &'a [T]>::into_iter",
+    "_ZN1m23sleeper_$ufc$n$uef$code17hee2c1b02994196b9E": "m::sleeper_ünïcode",
+}
+
+
+@pytest.mark.parametrize("mangled", list(RUST_NAMES))
+def test_rust_symbols_are_demangled(mangled: str) -> None:
+    assert demangle(mangled) == RUST_NAMES[mangled]
+
+
+def test_cxx_and_plain_names() -> None:
+    assert demangle("_ZNSt6vectorIiSaIiEE9push_backERKi") == \
+        "std::vector<int, std::allocator<int> >::push_back(int const&)"
+    assert demangle("_ZN3foo3barEv") == "foo::bar()"  # a C++ nested name, not Rust legacy
+    assert demangle("main") == "main"
+    assert demangle("_RNvC3foo3barX") == "_RNvC3foo3barX"  # not valid v0: left as it is
+
+
+def test_hostile_mangled_names_are_bounded() -> None:
+    # Back-references that double the output at each level: 2^30 copies of `_`.
+    bomb = "_RMC0" + "T" * 30 + "p" + "".join(f"B{_b62(i)}_E" for i in range(33, 3, -1))
+    started = time.perf_counter()
+    assert demangle(bomb) == bomb  # abandoned at the output cap: unchanged
+    assert time.perf_counter() - started < 0.5
+    deep = "_RIC0" + "R" * 1500 + "pE"
+    assert demangle(deep) == deep  # nesting past the limit: unchanged, no RecursionError
+    loop = "_RNvB0_3foo"  # a back-reference to itself
+    assert demangle(loop) == loop
+    assert demangle("_ZN7a$u1b$b17h0123456789abcdefE") == "a$u1b$b"  # no control char decoded
+
+
+def _b62(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    n -= 1
+    out = ""
+    while True:
+        out = digits[n % 62] + out
+        n //= 62
+        if not n:
+            return out
+
+
+RUST_PROGRAM = r"""
+trait Speak { fn speak(&self) -> usize; }
+struct Dog<T> { v: Vec<T> }
+impl<T: Clone> Speak for Dog<T> { #[inline(never)] fn speak(&self) -> usize { self.v.len() } }
+#[inline(never)]
+fn generic<F: Fn(u32) -> u32>(f: F, x: u32) -> u32 { f(x) }
+fn main() {
+    let b: Box<dyn Speak> = Box::new(Dog { v: vec![1u8, 2] });
+    let c = std::env::args().count() as u32;
+    println!("{} {}", b.speak(), generic(move |x| x + c, 4));
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("rustc") is None, reason="rustc is not installed")
+@pytest.mark.parametrize("mangling", ["v0", "legacy"])
+def test_symbols_of_a_real_rust_program(tmp_path: Path, mangling: str) -> None:
+    (tmp_path / "m.rs").write_text(RUST_PROGRAM)
+    flags = ["-C", "symbol-mangling-version=v0"] if mangling == "v0" else []
+    subprocess.run(["rustc", "-O", *flags, "-o", str(tmp_path / "m"), str(tmp_path / "m.rs")],
+                   check=True, capture_output=True)
+    elf = load_elf(str(tmp_path / "m"))
+    names = {elf.lookup(a) for a in elf._starts}  # every function of the program, demangled
+    if mangling == "v0":
+        expected = {"<m::Dog<u8> as m::Speak>::speak", "m::generic::<m::main::{closure#0}>", "m::main"}
+    else:  # legacy names carry no generic arguments
+        expected = {"<m::Dog<T> as m::Speak>::speak", "m::generic", "m::main"}
+    assert expected <= names
+    assert not any(n and (n.startswith("_R") or re.search(r"17h[0-9a-f]{16}E$", n)) for n in names)
+
+
+def test_user_symbols_count_misses_by_cause_with_injected_maps(tmp_path: Path) -> None:
+    # A mapping whose file cannot be opened: trusted, module+offset, counted.
+    maps = [Mapping(0x1000, 0x2000, 0x3000, "/nonexistent/lib.so", str(tmp_path / "missing"))]
+    u = UserSymbols(start_time=lambda pid: 1, maps=lambda pid: maps)
+    frames = u.resolve_stack(5, [0x1010, 0x1800])
+    assert [f.name for f in frames] == ["lib.so+0x3010", "lib.so+0x3800"]
+    assert u.errors == {"unreadable": 2}

@@ -165,11 +165,13 @@ async def test_navigation_keys() -> None:
                    if s is not None)
 
 
-async def test_cursor_stays_on_its_task_across_a_resort() -> None:
+@pytest.mark.parametrize("follow", [False, True], ids=["position", "follow"])
+async def test_cursor_across_a_resort_keeps_its_position_or_follows(follow: bool) -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
         table = app.query_one(TaskTable)
+        table.follow = follow
         first = [t.key for t in SNAPS[0].tasks]
         second = [t.key for t in SNAPS[1].tasks]
         # A task whose rank changes between the two snapshots.
@@ -179,9 +181,19 @@ async def test_cursor_stays_on_its_task_across_a_resort() -> None:
         before = table.cursor_row
         app.publish(SNAPS[1])
         await shown(pilot, app, seq=2)
-        assert table.cursor_key == key
-        assert table.cursor_row == second.index(key) != before
         assert table.row_keys_in_order == second
+        if follow:  # htop's F: the cursor stays on its task
+            assert table.cursor_key == key
+            assert table.cursor_row == second.index(key) != before
+        else:  # htop's default: the cursor stays at its row, on whatever task is there
+            assert table.cursor_row == before
+            assert table.cursor_key == second[before] != key
+        # The stacks pane shows the task under the cursor.
+        await pilot.pause()
+        tid = int(str(table.cursor_key)[1:])
+        stacks = app.query_one(StackTable)
+        assert {s.tid for s in map(stacks.stack_by_key, stacks.row_keys_in_order)
+                if s is not None} == {tid}
 
 
 async def test_selected_task_stays_listed_while_idle() -> None:
@@ -189,6 +201,7 @@ async def test_selected_task_stays_listed_while_idle() -> None:
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
         table = app.query_one(TaskTable)
+        table.follow = True
         key = SNAPS[0].tasks[5].key
         table.move_to_key(key)
         await pilot.pause()

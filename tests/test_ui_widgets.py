@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable
-from typing import Any
 
 import pytest
-from rich.console import RenderableType
 from rich.text import Text
+from textual import events
 from textual.app import App, ComposeResult
+from textual.strip import Strip
 
-import offtop.widgets.keyed_table as keyed_table
-from offtop.model import Frame, StackRow
+from offtop.model import Frame, StackRow, TaskRow
+from offtop.safe_text import printable
 from offtop.synthetic import synthetic_snapshots
 from offtop.widgets.callchain_tree import merge_stacks, stack_path
 from offtop.widgets.key_bar import KeyBar
-from offtop.widgets.keyed_table import KeyedTable
+from offtop.widgets.line_table import Column, KeyedRow, LineTable
 from offtop.widgets.render import chain_summary, frame_text, task_label
+from offtop.widgets.task_table import SortSpec, TaskTable
 from offtop.widgets.threshold_slider import (
     HIGH_NS,
     STEPS,
@@ -29,32 +30,71 @@ from offtop.widgets.threshold_slider import (
 )
 
 
-class NumberTable(KeyedTable):
-    """A keyed table of (name, value) rows."""
+class NumberTable(LineTable):
+    """A line table of (name, value) rows that counts what it draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drawn: list[int] = []
+        self.cells_rendered = 0
 
     def on_mount(self) -> None:
         self.set_columns([("name", "NAME", 8), ("value", "VALUE", 8)])
 
-    def render_cell(self, column: str, value: Hashable) -> RenderableType:
+    def render_cell(self, column: str, value: Hashable) -> Text:
+        self.cells_rendered += 1
         return Text(str(value), end="")
+
+    def render_line(self, y: int) -> Strip:
+        self.drawn.append(y)
+        return super().render_line(y)
+
+
+class TwoLineTable(LineTable):
+    """Rows of two lines, no header, a cursor only while focused."""
+
+    ROW_HEIGHT = 2
+    SHOW_HEADER = False
+    CURSOR_FOCUS_ONLY = True
+
+    def on_mount(self) -> None:
+        self.set_columns([Column("what", "WHAT", 10, flex=True)])
 
 
 class TableApp(App[None]):
+    """A table and the messages it posts."""
+
+    def __init__(self, table: LineTable) -> None:
+        super().__init__()
+        self.table = table
+        self.highlighted: list[str] = []
+        self.selected: list[str] = []
+        self.headers: list[str] = []
+
     def compose(self) -> ComposeResult:
-        yield NumberTable()
+        yield self.table
+
+    def on_line_table_row_highlighted(self, event: LineTable.RowHighlighted) -> None:
+        self.highlighted.append(event.key)
+
+    def on_line_table_row_selected(self, event: LineTable.RowSelected) -> None:
+        self.selected.append(event.key)
+
+    def on_line_table_header_clicked(self, event: LineTable.HeaderClicked) -> None:
+        self.headers.append(event.column)
 
 
-def table_state(table: KeyedTable) -> list[tuple[str, str, str]]:
-    """What the table holds, in display order, read through the public API."""
-    out = []
-    for i in range(table.row_count):
-        key = table.coordinate_to_cell_key((i, 0)).row_key.value  # type: ignore[arg-type]
-        assert key is not None
-        out.append((key, *(str(c) for c in table.get_row(key))))
-    return out
+def screen_lines(table: LineTable) -> list[str]:
+    """What the table draws now, line by line (trailing blanks dropped)."""
+    return [table.render_line(y).text.rstrip() for y in range(table.size.height)]
 
 
-def random_rounds(seed: int, rounds: int = 12) -> list[list[tuple[str, tuple[Hashable, ...]]]]:
+def backgrounds(table: LineTable, y: int) -> set[object]:
+    """The background colours of line `y` as drawn."""
+    return {segment.style.bgcolor for segment in table.render_line(y) if segment.style}
+
+
+def random_rounds(seed: int, rounds: int = 12) -> list[list[KeyedRow]]:
     rng = random.Random(seed)
     out = []
     for _ in range(rounds):
@@ -63,48 +103,188 @@ def random_rounds(seed: int, rounds: int = 12) -> list[list[tuple[str, tuple[Has
     return out
 
 
-@pytest.mark.parametrize("fallback", [False, True], ids=["batched", "public-api"])
-async def test_keyed_table_matches_the_rows_it_is_given(
-    fallback: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if fallback:
-        # Make the private fast paths fail, as if DataTable's internals moved.
-        def broken(*_: Any, **__: Any) -> Any:
-            raise AttributeError("moved")
-
-        monkeypatch.setattr(keyed_table, "TwoWayDict", broken)
-        monkeypatch.setattr(keyed_table, "RowKey", broken)
-    app = TableApp()
-    async with app.run_test() as pilot:
-        table = app.query_one(NumberTable)
+async def test_line_table_shows_the_rows_it_is_given() -> None:
+    app = TableApp(NumberTable())
+    async with app.run_test(size=(40, 50)) as pilot:
+        table = app.table
         for rows in random_rounds(seed=7):
-            cursor = table.cursor_key
             table.sync_rows(rows)
             await pilot.pause()
             assert table.row_keys_in_order == [k for k, _ in rows]
-            assert table_state(table) == [(k, str(v[0]), str(v[1])) for k, v in rows]
-            if cursor is not None and cursor in dict(rows):
-                assert table.cursor_key == cursor
+            assert table.row_count == len(rows)
+            want = [f" {name:<8}  {value:<8}".rstrip() for _, (name, value) in rows]
+            lines = screen_lines(table)
+            assert lines[0].split() == ["NAME", "VALUE"]
+            assert lines[1:1 + len(rows)] == want
+            assert not any(lines[1 + len(rows):])
+            for key, (_, value) in rows:
+                assert table.get_cell(key, "value").plain == str(value)
+        with pytest.raises(ValueError):
+            table.sync_rows([("a", ("a", 1)), ("a", ("a", 2))])
 
 
-async def test_keyed_table_only_touches_changed_cells(monkeypatch: pytest.MonkeyPatch) -> None:
-    app = TableApp()
-    async with app.run_test() as pilot:
-        table = app.query_one(NumberTable)
-        table.sync_rows([("a", ("a", 1)), ("b", ("b", 2)), ("c", ("c", 3))])
+async def test_line_table_redraws_only_the_rows_that_changed() -> None:
+    app = TableApp(NumberTable())
+    async with app.run_test(size=(40, 50)) as pilot:
+        table = app.table
+        assert isinstance(table, NumberTable)
+        rows = [(f"k{i}", (f"n{i}", i)) for i in range(40)]
+        table.sync_rows(rows)
         await pilot.pause()
-        touched: list[tuple[str, str]] = []
-        real = table.update_cells
+        table.drawn.clear()
+        lines, cells = table.lines_rendered, table.cells_rendered
+        # A tick that changes 3 rows, in place: 3 lines and 3 cells drawn.
+        changed = {5, 17, 30}
+        table.sync_rows([(k, (n, v + 100 if i in changed else v))
+                         for i, (k, (n, v)) in enumerate(rows)])
+        await pilot.pause()
+        assert table.lines_rendered - lines == 3
+        assert table.cells_rendered - cells == 3
+        assert sorted(set(table.drawn)) == [1 + i for i in sorted(changed)]
+        # A re-sort of unchanged rows draws no cell, and only the lines of the
+        # rows that come to and leave the cursor (at its position, 0).
+        rows = [(k, (n, v + 100 if i in changed else v)) for i, (k, (n, v)) in enumerate(rows)]
+        lines, cells = table.lines_rendered, table.cells_rendered
+        table.sync_rows(rows[::-1])
+        await pilot.pause()
+        assert screen_lines(table)[1].split() == ["n39", "39"]
+        assert table.lines_rendered - lines == 2
+        assert table.cells_rendered == cells
 
-        def spy(changes: Any) -> None:
-            touched.extend((r, c) for r, c, _ in changes)
-            real(changes)
 
-        monkeypatch.setattr(table, "update_cells", spy)
-        table.sync_rows([("c", ("c", 3)), ("a", ("a", 9)), ("b", ("b", 2))])
-        assert touched == [("a", "value")]
-        assert table.row_keys_in_order == ["c", "a", "b"]
+async def test_line_table_cursor_keeps_its_position_or_follows_its_key() -> None:
+    app = TableApp(NumberTable())
+    async with app.run_test(size=(40, 20)) as pilot:
+        table = app.table
+        rows = [(f"k{i}", (f"n{i}", i)) for i in range(10)]
+        table.sync_rows(rows)
+        await pilot.pause()
+        assert app.highlighted == ["k0"]
+        assert table.move_to_key("k3") and not table.move_to_key("nope")
+        await pilot.pause()
+        assert app.highlighted == ["k0", "k3"]
+        # htop: the cursor stays on its row; the row under it is another task.
+        table.sync_rows(rows[::-1])
+        await pilot.pause()
+        assert (table.cursor_row, table.cursor_key) == (3, "k6")
+        assert app.highlighted[-1] == "k6"
+        # Fewer rows than the cursor's position: it goes to the last one.
+        table.sync_rows(rows[:2])
+        assert (table.cursor_row, table.cursor_key) == (1, "k1")
+        # Follow mode: the cursor stays on its key, wherever the row goes.
+        table.follow = True
+        table.sync_rows(rows)
+        assert table.move_to_key("k3")
+        table.sync_rows(rows[::-1])
+        assert (table.cursor_row, table.cursor_key) == (6, "k3")
+        # ... and at its position when its key is gone.
+        table.sync_rows([r for r in rows if r[0] != "k3"])
+        assert table.cursor_row == 6 and table.cursor_key == "k7"
+        await pilot.pause()
+        assert app.highlighted[-1] == "k7"
 
+
+async def test_line_table_keys_and_mouse() -> None:
+    app = TableApp(NumberTable())
+    async with app.run_test(size=(40, 12)) as pilot:
+        table = app.table
+        table.sync_rows([(f"k{i}", (f"n{i}", i)) for i in range(50)])
+        table.focus()
+        await pilot.pause()
+        page = table.size.height - 1  # rows in view under the header
+        await pilot.press("down", "down")
+        assert table.cursor_row == 2
+        await pilot.press("pagedown")
+        assert table.cursor_row == 2 + page
+        assert table.scroll_offset.y == table.cursor_row + 1 - page  # scrolled into view
+        await pilot.press("end")
+        assert table.cursor_key == "k49"
+        await pilot.press("pageup", "up")
+        assert table.cursor_row == 49 - page - 1
+        await pilot.press("home", "enter")
+        await pilot.pause()
+        assert table.cursor_row == 0 and table.scroll_offset.y == 0
+        assert app.selected == ["k0"]
+        # A click moves the cursor, a second click on it selects.
+        await pilot.click(NumberTable, offset=(2, 3))
+        assert table.cursor_key == "k2" and app.selected == ["k0"]
+        await pilot.click(NumberTable, offset=(2, 3))
+        await pilot.pause()
+        assert app.selected == ["k0", "k2"]
+        # A header click names its column.
+        await pilot.click(NumberTable, offset=(12, 0))
+        await pilot.pause()
+        assert app.headers == ["value"]
+        # The wheel scrolls the view, not the cursor.
+        table.post_message(events.MouseScrollDown(table, 2, 3, 0, 1, 0, False, False, False))
+        await pilot.pause()
+        assert table.scroll_offset.y > 0 and table.cursor_key == "k2"
+
+
+async def test_two_line_rows_and_a_cursor_only_while_focused() -> None:
+    table = TwoLineTable()
+    app = TableApp(table)
+    async with app.run_test(size=(30, 9)) as pilot:
+        table.sync_rows([(f"k{i}", (f"task {i}\nwaits in f{i}",)) for i in range(10)])
+        await pilot.pause()
+        assert screen_lines(table)[:4] == [" task 0", " waits in f0", " task 1", " waits in f1"]
+        app.set_focus(None)
+        await pilot.pause()
+        assert backgrounds(table, 0) == backgrounds(table, 2)  # no cursor drawn
+        table.focus()
+        await pilot.pause()
+        # Both lines of the cursor's row are drawn as the cursor, and only they.
+        assert backgrounds(table, 0) == backgrounds(table, 1) != backgrounds(table, 2)
+        assert backgrounds(table, 2) == backgrounds(table, 3)
+        # The second line of a row belongs to it.
+        await pilot.click(TwoLineTable, offset=(3, 3))
+        assert table.cursor_key == "k1"
+        await pilot.press("end")
+        assert table.scroll_offset.y == 2 * 10 - table.size.height
+        assert screen_lines(table)[-2:] == [" task 9", " waits in f9"]
+
+
+async def test_task_table_header_click_sorts() -> None:
+    table = TaskTable()
+    app = TableApp(table)
+    snap = synthetic_snapshots(1, tasks=30, stacks=60, seed=2)[0]
+    async with app.run_test(size=(120, 40)) as pilot:
+        table.show(snap.tasks, snap.interval_s)
+        await pilot.pause()
+        header = screen_lines(table)[0]
+        await pilot.click(TaskTable, offset=(header.index("COUNT"), 0))
+        await pilot.pause()
+        assert table.sort_spec == SortSpec("count", True)
+        counts = [t.count for t in sorted(snap.tasks, key=lambda t: t.key)]
+        by_key = {t.key: t.count for t in snap.tasks}
+        assert [by_key[k] for k in table.row_keys_in_order] == sorted(counts, reverse=True)
+        assert "COUNT▼" in screen_lines(table)[0]
+        await pilot.click(TaskTable, offset=(header.index("COUNT"), 0))
+        assert table.sort_spec == SortSpec("count", False)
+        assert app.headers == []  # the table handles its own header clicks
+
+
+async def test_untrusted_text_in_a_table_is_literal_and_escaped() -> None:
+    table = TaskTable()
+    app = TableApp(table)
+    evil = "evil[red]\x1b]0;PWNED\x07"
+    row = TaskRow(pid=7, tid=7, comm=evil, offcpu_ns=5, count=1, max_ns=5,
+                  state_ns={"S": 5}, total_ns=5)
+    async with app.run_test(size=(120, 10)) as pilot:
+        table.show([row], 1.0)
+        await pilot.pause()
+        assert table.get_cell("t7", "comm").plain == printable(evil) == \
+            "evil[red]\\x1b]0;PWNED\\x07"
+        line = table.render_line(1)
+        assert "evil[red]\\x1b]…" in line.text  # cut to the column, escaped
+        assert "\x1b" not in line.text and "\x07" not in line.text
+    # The table escapes what a careless `render_cell` lets through, too.
+    plain = NumberTable()
+    app = TableApp(plain)
+    async with app.run_test(size=(40, 5)) as pilot:
+        plain.sync_rows([("k", ("a\x1bb", "[bold]x"))])
+        await pilot.pause()
+        assert screen_lines(plain)[1].split() == ["a\\x1bb", "[bold]x"]
 
 def test_slider_scale() -> None:
     assert STEPS[0] == 0 and STEPS[-1] == HIGH_NS == 10_000_000_000

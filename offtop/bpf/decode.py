@@ -12,6 +12,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from offtop import safe_text
+
 # Normalized prev_state bits (offcpu.c ST_*; the kernel's TASK_REPORT order).
 STATE_BITS: dict[int, str] = {
     0x01: "S",
@@ -206,8 +208,13 @@ class RawEvent:
 
 
 def decode_comm(raw: bytes) -> str:
-    """A task comm from its NUL-padded bytes (never fails)."""
-    return raw.split(b"\0", 1)[0].decode("utf-8", errors="replace")
+    """A task comm from its NUL-padded bytes (never fails).
+
+    Any task names itself with any bytes (prctl PR_SET_NAME): decoded with
+    replacement, control characters kept (JSON is exact; whatever shows it
+    on a terminal escapes them, see `offtop.safe_text`).
+    """
+    return safe_text.decode(raw.split(b"\0", 1)[0])
 
 
 def decode_event(buf: bytes | memoryview, offset: int = 0) -> RawEvent:

@@ -12,6 +12,7 @@ import ctypes.util
 import errno
 import os
 import platform
+import resource
 import shutil
 import sys
 import tempfile
@@ -195,6 +196,108 @@ def check_bpf_syscall(create_map: Callable[[], tuple[int, int]] = _create_array_
     raise EnvironmentProblem(f"the bpf() syscall failed: {os.strerror(err)}")
 
 
+# --- the view from this process ------------------------------------------------
+
+#: The inode number of the initial pid namespace (PROC_PID_INIT_INO in
+#: include/linux/proc_ns.h, fixed since Linux 3.8).
+PROC_PID_INIT_INO = 0xEFFFFFFC
+
+#: Below this address-space limit bcc cannot compile: LLVM and clang map
+#: ~400 MB at peak (measured: a batch run peaks at 396 MB of VmPeak, and with
+#: `ulimit -v` at 360 MB LLVM aborts the process without a word).
+MIN_ADDRESS_SPACE = 512 << 20
+
+# How the dynamic loader says mmap() failed (ENOMEM under `ulimit -v`).
+_MAP_FAILURES = ("failed to map segment", "cannot map zero-fill pages", "cannot allocate memory")
+
+
+def check_pid_namespace(ns_link: Path = Path("/proc/self/ns/pid")) -> None:
+    """Refuse to run in any pid namespace but the initial one.
+
+    The tracepoint reports pids as the initial namespace numbers them: inside
+    a container they would name other processes, or none, and `-p` would
+    match nothing. Translating them (bpf_get_ns_current_pid_tgid covers only
+    the current task, not the one switched in) is not worth a silent error.
+    """
+    try:
+        ino = os.stat(ns_link).st_ino
+    except FileNotFoundError:
+        raise EnvironmentProblem(
+            f"{ns_link} is missing: offtop needs /proc (mount -t proc proc /proc)") from None
+    except OSError as e:
+        raise EnvironmentProblem(f"cannot read {ns_link}: {e.strerror}") from None
+    if ino != PROC_PID_INIT_INO:
+        raise EnvironmentProblem(
+            f"offtop is running in a pid namespace of its own (pid:[{ino}], e.g. a container "
+            "or unshare --pid): the kernel reports the host's pids, which this namespace "
+            "cannot name; run offtop in the host's pid namespace (nsenter -t 1 -p -m offtop)")
+
+
+def proc_mount_options(mountinfo: Path = Path("/proc/self/mountinfo")) -> set[str]:
+    """The superblock options of the proc file system mounted at /proc (empty if unknown)."""
+    try:
+        text = mountinfo.read_text()
+    except OSError:
+        return set()
+    options: set[str] = set()
+    for line in text.splitlines():  # the last mount at /proc is the one on top
+        fields, _, fs = line.partition(" - ")
+        parts, fs_parts = fields.split(), fs.split()
+        if len(parts) > 4 and parts[4] == "/proc" and fs_parts[:1] == ["proc"]:
+            options = set(fs_parts[2].split(",")) if len(fs_parts) > 2 else set()
+    return options
+
+
+def check_proc(*, kernel_stacks: bool, proc: Path = Path("/proc"),
+               mountinfo: Path = Path("/proc/self/mountinfo")) -> None:
+    """/proc shows what offtop reads: kernel symbols (for kernel stacks) and the pid directories."""
+    if not kernel_stacks or _exists(proc / "kallsyms"):
+        return
+    if "subset=pid" in proc_mount_options(mountinfo):
+        raise EnvironmentProblem(
+            f"{proc} is mounted with subset=pid, which hides {proc}/kallsyms, where offtop "
+            "names kernel frames: use --no-kernel-stacks, or mount a full /proc "
+            "(mount -t proc proc /proc)")
+    raise EnvironmentProblem(
+        f"{proc}/kallsyms is missing: offtop names kernel frames from it; mount a full /proc "
+        "(mount -t proc proc /proc) or use --no-kernel-stacks")
+
+
+def address_space_limit() -> int | None:
+    """The soft RLIMIT_AS (`ulimit -v`) in bytes, or None when unlimited."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def memory_problem(doing: str) -> str:
+    """One line for running out of memory while `doing` something."""
+    limit = address_space_limit()
+    cap = "unlimited" if limit is None else f"{limit >> 20} MiB"
+    return (f"out of memory {doing}: offtop needs about {MIN_ADDRESS_SPACE >> 20} MiB of "
+            f"address space while bcc compiles (ulimit -v is {cap}); raise the limit "
+            "(ulimit -v unlimited) or free memory")
+
+
+def check_address_space(limit: int | None) -> None:
+    """Refuse an address-space limit (bytes, None: unlimited) bcc's compiler cannot work in.
+
+    Above it, a shortage still ends in `memory_problem`; below it, LLVM would
+    abort the process without a word.
+    """
+    if limit is not None and limit < MIN_ADDRESS_SPACE:
+        raise EnvironmentProblem(
+            f"the address-space limit (ulimit -v) is {limit >> 20} MiB: offtop needs at "
+            f"least {MIN_ADDRESS_SPACE >> 20} MiB, since bcc compiles its BPF program with "
+            "LLVM inside the process; raise it (ulimit -v unlimited)")
+
+
+def check_host_view(*, kernel_stacks: bool) -> None:
+    """What must hold before any pid given by the user is looked up (see cli)."""
+    check_pid_namespace()
+    check_proc(kernel_stacks=kernel_stacks)
+    check_address_space(address_space_limit())
+
+
 # --- bcc -----------------------------------------------------------------
 
 
@@ -208,7 +311,11 @@ def check_bcc_importable() -> None:
             "(apt-get install python3-bpfcc) and use /usr/bin/python3 or a venv made "
             "with --system-site-packages"
         ) from None
-    except OSError as e:  # libbcc.so itself missing or broken
+    except MemoryError:
+        raise EnvironmentProblem(memory_problem("loading bcc")) from None
+    except OSError as e:  # libbcc.so itself missing or broken, or no room to map it
+        if any(m in str(e).lower() for m in _MAP_FAILURES):
+            raise EnvironmentProblem(memory_problem(f"loading bcc's library ({e})")) from None
         raise EnvironmentProblem(
             f"bcc's library could not be loaded ({e}): reinstall libbpfcc"
         ) from None
@@ -281,12 +388,26 @@ def find_kernel_headers(
             return HeaderChoice("distro headers", tree, str(tree))
         common = tree.with_name(tree.name.rsplit("-", 1)[0] + "-common")
         if _has_includes(common) and (tree / "include" / "generated").is_dir():
-            merged = _merge_debian_tree(tree, common, cache)
+            try:
+                merged = _merge_debian_tree(tree, common, cache)
+            except OSError as e:
+                raise EnvironmentProblem(_cache_problem(cache, e)) from None
             return HeaderChoice(f"distro headers ({tree.name})", merged, str(merged))
     raise EnvironmentProblem(
         f"no kernel headers found for bcc: install {headers_package()} "
         f"(apt-get install {headers_package()}; any version works)"
     )
+
+
+def _cache_problem(cache: Path, e: OSError) -> str:
+    """Why the header tree could not be assembled under `cache`, naming what is in the way."""
+    blocker = next((p for p in (cache, *cache.parents) if p.exists() and not p.is_dir()), None)
+    fix = f"or set BCC_KERNEL_SOURCE to a kernel header tree (e.g. from {headers_package()})"
+    if blocker is not None:
+        return (f"{blocker} is not a directory: offtop joins Debian's split kernel headers "
+                f"under {cache}; move it away, {fix}")
+    where = f" ({e.filename})" if e.filename else ""
+    return f"cannot join the kernel headers under {cache}: {e.strerror or e}{where}; {fix}"
 
 
 def _link_children(src: Path, dst: Path, skip: set[str] = frozenset()) -> None:  # type: ignore[assignment]

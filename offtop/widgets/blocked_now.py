@@ -10,14 +10,13 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import ClassVar
 
-from rich.console import RenderableType
 from rich.text import Text
-from textual import events
 from textual.binding import Binding, BindingType
 
 from offtop.model import BlockedNow
+from offtop.safe_text import printable
 from offtop.units import format_ns
-from offtop.widgets.keyed_table import KeyedTable
+from offtop.widgets.line_table import Column, LineTable
 from offtop.widgets.render import (
     bar,
     chain_summary,
@@ -28,7 +27,7 @@ from offtop.widgets.render import (
 )
 
 
-class BlockedNowTable(KeyedTable):
+class BlockedNowTable(LineTable):
     """Blocked tasks, longest wait first: wait and a log bar, state, task, where.
 
     Each row is two lines: the task, then the innermost frames it waits in.
@@ -41,41 +40,24 @@ class BlockedNowTable(KeyedTable):
     ]
 
     ROW_HEIGHT: ClassVar[int] = 2
+    SHOW_HEADER: ClassVar[bool] = False
+    #: Rows come and go under the cursor: it is drawn only while focused.
+    CURSOR_FOCUS_ONLY: ClassVar[bool] = True
     #: Rows shown at most.
     MAX_ROWS: ClassVar[int] = 100
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
-        self.show_header = False
-        self.show_cursor = False  # shown while focused only: rows come and go
         self.show_kernel = True
         self.show_user = True
         self._blocked: Sequence[BlockedNow] = ()
         self._by_key: dict[str, BlockedNow] = {}
         self._elapsed_ns = 0
-        self._where_width = 30
 
     def on_mount(self) -> None:
-        self._define_columns()
-
-    def on_focus(self) -> None:
-        self.show_cursor = True
-
-    def on_blur(self) -> None:
-        self.show_cursor = False
-
-    def _wanted_width(self) -> int:
-        return max(16, self.size.width - (7 + 2) - (1 + 2) - 3)
-
-    def _define_columns(self) -> None:
-        self._where_width = self._wanted_width()
-        self.set_columns([("wait", "WAIT", 7), ("s", "S", 1),
-                          ("where", "TASK / WHERE", self._where_width)])
+        self.set_columns([Column("wait", "WAIT", 7), Column("s", "S", 1),
+                          Column("where", "TASK / WHERE", 16, flex=True)])
         self._sync()
-
-    def on_resize(self, event: events.Resize) -> None:
-        if self.columns and self._wanted_width() != self._where_width:
-            self._define_columns()
 
     def show(
         self, blocked: Sequence[BlockedNow], *, show_kernel: bool = True, show_user: bool = True
@@ -95,7 +77,7 @@ class BlockedNowTable(KeyedTable):
     def _sync(self) -> None:
         rows = []
         self._by_key = {}
-        view = (self.show_kernel, self.show_user, self._where_width)
+        view = (self.show_kernel, self.show_user)
         for b in self._blocked:
             key = f"t{b.tid}"
             if key in self._by_key:
@@ -112,7 +94,8 @@ class BlockedNowTable(KeyedTable):
         key = self.cursor_key
         return self._by_key.get(key) if key is not None else None
 
-    def render_cell(self, column: str, value: Hashable) -> RenderableType:
+    def render_cell(self, column: str, value: Hashable) -> Text:
+        """Two lines a cell: wait over its bar; the task over where it waits."""
         if column == "wait":
             assert isinstance(value, tuple)
             text, eighths, style = value
@@ -122,8 +105,8 @@ class BlockedNowTable(KeyedTable):
         if column == "s":
             return state_text(str(value))
         assert isinstance(value, tuple)
-        comm, pid, tid, kernel, user, (show_kernel, show_user, _) = value
-        t = task_label(comm, pid, tid)
+        comm, pid, tid, kernel, user, (show_kernel, show_user) = value
+        t = task_label(printable(comm), pid, tid)
         t.append("\n")
         t.append_text(chain_summary(kernel, user, show_kernel=show_kernel, show_user=show_user,
                                     max_kernel=1, max_user=3))

@@ -9,7 +9,7 @@ from textual.widget import Widget
 from offtop.model import CaptureStats, Snapshot
 from offtop.source import SourceInfo
 from offtop.units import format_ns
-from offtop.widgets.render import clock_time
+from offtop.widgets.render import clock_time, untrusted_text
 
 
 def _field(t: Text, label: str, value: str | Text, style: str = "") -> None:
@@ -79,16 +79,18 @@ class OfftopHeader(Widget):
             if self.behind:
                 line1.append(f" +{self.behind}", style="#e0c050")
             line1.append("  ")
+        # The source's description is escaped: the scope holds a cgroup path,
+        # and a user may name the cgroups delegated to them as they like.
         if info is not None:
-            _field(line1, "host", Text(info.host, style="bold"))
-            _field(line1, "scope", Text(info.scope, style="bold"))
+            _field(line1, "host", untrusted_text(info.host, "bold"))
+            _field(line1, "scope", untrusted_text(info.scope, "bold"))
         if snap is not None:
             _field(line1, "at", f"{clock_time(snap.time)} #{snap.seq}")
         if info is not None:
-            _field(line1, "kernel", Text(info.kernel))
-            _field(line1, "stacks", Text(info.stacks))
+            _field(line1, "kernel", untrusted_text(info.kernel))
+            _field(line1, "stacks", untrusted_text(info.stacks))
             if info.kind != "bpf":
-                _field(line1, "source", Text(info.kind, style="italic"))
+                _field(line1, "source", untrusted_text(info.kind, "italic"))
         line2 = Text(no_wrap=True, overflow="ellipsis", end="")
         _field(line2, "interval", f"{self.interval_s:g}s")
         _field(line2, "threshold", format_ns(self.threshold_ns) if self.threshold_ns else "0",

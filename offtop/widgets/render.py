@@ -2,7 +2,10 @@
 
 Everything here returns `rich.text.Text` built from plain strings with
 explicit styles: process names and symbols are untrusted and may contain
-`[`, so nothing is ever parsed as markup.
+`[`, so nothing is ever parsed as markup. They may hold terminal escape
+sequences too (a comm of `ESC ] 0 ; ... BEL` retitles the terminal, `ESC [
+2 J` clears it), and Rich passes ESC through: every untrusted string goes
+through `offtop.safe_text.printable` here, so it shows as `\x1b`.
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ import math
 import time
 from collections.abc import Sequence
 
+from rich.console import OverflowMethod
 from rich.text import Text
 
 from offtop.model import Frame
+from offtop.safe_text import printable
 from offtop.units import format_ns
 
 #: Kernel frames are warm, user frames cool: told apart at a glance.
@@ -40,6 +45,12 @@ STATE_STYLES = {
 }
 
 
+def untrusted_text(text: str, style: str = "", *, no_wrap: bool = True,
+                   overflow: OverflowMethod | None = None) -> Text:
+    """A string a process controls (a comm, a path, a symbol): literal, escaped, styled."""
+    return Text(printable(text), style=style, no_wrap=no_wrap, overflow=overflow, end="")
+
+
 def frame_style(frame: Frame) -> str:
     """The style of one frame: kernel, user or unresolved."""
     if frame.unknown:
@@ -53,9 +64,9 @@ def frame_text(frame: Frame, *, tag: bool = True, module: bool = False) -> Text:
     if tag:
         t.append("k " if frame.kernel else "u ", style="dim " + (
             KERNEL_STYLE if frame.kernel else USER_STYLE))
-    t.append(frame.name or "?", style=frame_style(frame))
+    t.append(printable(frame.name or "?"), style=frame_style(frame))
     if module and frame.module and not frame.kernel:
-        t.append(f"  {frame.module}", style="dim")
+        t.append(f"  {printable(frame.module)}", style="dim")
     return t
 
 
@@ -97,7 +108,7 @@ def chain_summary(
     for i, f in enumerate(frames):
         if i:
             t.append(ARROW, style="dim")
-        t.append(f.name or "?", style=frame_style(f))
+        t.append(printable(f.name or "?"), style=frame_style(f))
     return t
 
 
@@ -187,7 +198,7 @@ def clock_time(t: float, *, millis: bool = False) -> str:
 
 
 def task_label(comm: str, pid: int, tid: int | None = None) -> Text:
-    """`comm pid/tid` with the comm literal (never markup)."""
-    t = Text(comm, style="bold", no_wrap=True, end="")
+    """`comm pid/tid` with the comm literal (never markup) and escaped."""
+    t = untrusted_text(comm, "bold")
     t.append(f" {pid}" if tid is None or tid == pid else f" {pid}/{tid}", style="dim")
     return t

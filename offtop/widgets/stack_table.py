@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import ClassVar
 
-from rich.console import RenderableType
 from rich.text import Text
-from textual import events
 from textual.binding import Binding, BindingType
 
 from offtop.model import StackRow
+from offtop.safe_text import printable
 from offtop.units import format_ns
-from offtop.widgets.keyed_table import KeyedTable
+from offtop.widgets.line_table import Column, LineTable
 from offtop.widgets.render import (
     chain_summary,
     number_text,
@@ -21,7 +20,7 @@ from offtop.widgets.render import (
 )
 
 
-class StackTable(KeyedTable):
+class StackTable(LineTable):
     """Callchains ranked by off-CPU time in the last interval.
 
     In `task` scope it lists one task's stacks; in `all` scope the top stacks
@@ -51,34 +50,19 @@ class StackTable(KeyedTable):
         self._by_key: dict[str, StackRow] = {}
         self._stacks: Sequence[StackRow] = ()
         self._total_ns = 0
-        self._chain_width = 40
 
     def on_mount(self) -> None:
         self._define_columns()
 
-    def _fixed_columns(self) -> list[tuple[str, str, int]]:
-        fixed = [("s", "S", 1), ("off", "OFF-CPU", 7), ("share", "SHARE", 6),
-                 ("count", "COUNT", 6), ("max", "MAX", 6)]
-        if self.scope == "all":
-            fixed.insert(0, ("task", "TASK", 24))
-        return fixed
-
-    def _wanted_chain_width(self) -> int:
-        used = sum(w + 2 for _, _, w in self._fixed_columns()) + 3
-        return max(24, self.size.width - used)
-
     def _define_columns(self) -> None:
-        fixed = self._fixed_columns()
-        self._chain_width = self._wanted_chain_width()
-        cursor = self.cursor_key
-        self.set_columns([*fixed, ("chain", "CALLCHAIN (innermost first)", self._chain_width)])
+        columns = [Column("s", "S", 1), Column("off", "OFF-CPU", 7),
+                   Column("share", "SHARE", 6), Column("count", "COUNT", 6),
+                   Column("max", "MAX", 6),
+                   Column("chain", "CALLCHAIN (innermost first)", 24, flex=True)]
+        if self.scope == "all":
+            columns.insert(0, Column("task", "TASK", 24))
+        self.set_columns(columns)
         self._sync()
-        if cursor is not None:
-            self.move_to_key(cursor)
-
-    def on_resize(self, event: events.Resize) -> None:
-        if self.columns and self._wanted_chain_width() != self._chain_width:
-            self._define_columns()
 
     # --- data -----------------------------------------------------------
 
@@ -107,7 +91,7 @@ class StackTable(KeyedTable):
         by_key: dict[str, StackRow] = {}
         rows = []
         total = self._total_ns
-        toggles = (self.show_kernel, self.show_user, self._chain_width)
+        toggles = (self.show_kernel, self.show_user)
         for s in self._stacks:
             key = s.key
             if key in by_key:
@@ -123,20 +107,16 @@ class StackTable(KeyedTable):
         self._by_key = by_key
         self.sync_rows(rows)
 
-    def stack_at_cursor(self) -> StackRow | None:
-        """The stack under the cursor."""
-        key = self.cursor_key
-        return self._by_key.get(key) if key is not None else None
-
     def stack_by_key(self, key: str) -> StackRow | None:
         """A shown stack by its key."""
         return self._by_key.get(key)
 
-    def render_cell(self, column: str, value: Hashable) -> RenderableType:
+    def render_cell(self, column: str, value: Hashable) -> Text:
+        """A cell: the task literal, numbers right-aligned, the chain summarized."""
         if column == "task":
             assert isinstance(value, tuple)
             comm, pid, tid = value
-            return task_label(comm, pid, tid)
+            return task_label(printable(comm), pid, tid)
         if column == "s":
             return state_text(str(value))
         if column == "share":

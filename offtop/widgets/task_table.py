@@ -7,15 +7,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from rich.console import RenderableType
 from rich.text import Text
 from textual.binding import Binding, BindingType
 from textual.message import Message
-from textual.widgets import DataTable
 
 from offtop.model import ProcessRow, TaskRow
+from offtop.safe_text import printable
 from offtop.units import format_ns
-from offtop.widgets.keyed_table import KeyedTable
+from offtop.widgets.line_table import LineTable
 from offtop.widgets.render import number_text, rate_parts, rate_text
 
 #: A row of the table: a thread or a process.
@@ -94,12 +93,13 @@ def row_matches(row: Row, needle: str) -> bool:
     return isinstance(row, TaskRow) and n in str(row.tid)
 
 
-class TaskTable(KeyedTable):
+class TaskTable(LineTable):
     """Threads or processes ranked by off-CPU time, refreshed by keyed diff.
 
     Click a column header to sort by it (again to reverse); `s` cycles the sort.
-    The task under the cursor stays under the cursor across refreshes and
-    re-sorts, and stays listed (with zero time) while it has nothing to report.
+    As in htop, the cursor keeps its row position across refreshes and
+    re-sorts; with `follow` set it keeps its task instead, and that task stays
+    listed (with zero time) while it has nothing to report.
     """
 
     BINDINGS: ClassVar[list[BindingType]] = [
@@ -162,14 +162,11 @@ class TaskTable(KeyedTable):
         return title
 
     def _define_columns(self) -> None:
-        cursor = self.cursor_key
         self.set_columns(self._columns())
         self._refill()
-        if cursor is not None:
-            self.move_to_key(cursor)
 
     def set_mode(self, *, processes: bool) -> None:
-        """Show threads or processes (the cursor goes to the matching row)."""
+        """Show threads or processes (no rows until the next `show`)."""
         if processes == self.processes:
             return
         self.processes = processes
@@ -191,7 +188,7 @@ class TaskTable(KeyedTable):
             reverse = _DEFAULT_REVERSE.get(column, True)
         self.sort_spec = SortSpec(column, reverse)
         for key, _, _ in self._columns():
-            self.set_column_label(key, Text(self._title(key), style="bold", end=""))
+            self.set_column_label(key, self._title(key))
         self._refill()
         self.post_message(self.SortChanged(self.sort_spec))
 
@@ -215,19 +212,21 @@ class TaskTable(KeyedTable):
     # --- data -----------------------------------------------------------
 
     def show(self, rows: Sequence[Row], interval_s: float) -> None:
-        """Display a snapshot's tasks (or processes), keeping the cursor's task."""
+        """Display a snapshot's tasks (or processes)."""
         self._source = rows
         self.interval_s = interval_s
         self._refill()
 
     def _refill(self) -> None:
         rows = self._source
-        cursor = self.cursor_key
+        # Only a followed task is kept listed: otherwise the cursor stays at
+        # its position whatever task comes under it.
+        cursor = self.cursor_key if self.follow else None
         self.total_rows = len(rows)
         needle = self.filter_text.strip()
         matching = [r for r in rows if row_matches(r, needle)] if needle else list(rows)
-        # The selected task stays listed while it has nothing to report, so the
-        # cursor (and the stacks pane) do not jump away from it.
+        # The followed task stays listed while it has nothing to report, so
+        # the cursor (and the stacks pane) do not jump away from it.
         if cursor is not None and all(r.key != cursor for r in matching):
             last = self._shown.get(cursor)
             if last is not None and row_matches(last, needle):
@@ -244,8 +243,6 @@ class TaskTable(KeyedTable):
                 shown[-1:] = [kept]
         self._shown = {r.key: r for r in shown}
         self.sync_rows([(r.key, self._raw_row(r)) for r in shown])
-        if cursor is not None:
-            self.move_to_key(cursor)
 
     def _raw_row(self, r: Row) -> tuple[Hashable, ...]:
         second = r.threads if isinstance(r, ProcessRow) else r.tid
@@ -264,11 +261,13 @@ class TaskTable(KeyedTable):
             del raw[3:5]
         return tuple(raw)
 
-    def render_cell(self, column: str, value: Hashable) -> RenderableType:
+    def render_cell(self, column: str, value: Hashable) -> Text:
+        """A cell: numbers right-aligned, zero dim, the comm literal."""
         if column in ("pid", "tid"):
             return Text(str(value).rjust(7), end="")
         if column == "comm":
-            return Text(str(value), no_wrap=True, overflow="ellipsis", end="")
+            # A comm is whatever the process chose: shown escaped, never markup.
+            return Text(printable(str(value)), no_wrap=True, overflow="ellipsis", end="")
         if column == "off":
             assert isinstance(value, tuple)
             return rate_text(value)
@@ -285,10 +284,10 @@ class TaskTable(KeyedTable):
         """Matching rows not shown because of `MAX_ROWS`."""
         return max(0, self.matching_rows - self.row_count)
 
-    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+    def on_line_table_header_clicked(self, event: LineTable.HeaderClicked) -> None:
         """Click a header to sort by it; click it again to reverse."""
         event.stop()
-        column = event.column_key.value or ""
+        column = event.column
         if column == self.sort_spec.column:
             self.sort_by(column, not self.sort_spec.reverse)
         else:

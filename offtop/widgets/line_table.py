@@ -1,0 +1,668 @@
+"""A table drawn with Textual's Line API: keyed rows, cached lines, a row cursor.
+
+The base of the task, stack and blocked-now tables. Each refresh hands over
+the rows wanted, in order, as `(key, raw values)` (`sync_rows`). Raw values
+are what a cell shows before styling (a formatted duration rather than
+nanoseconds), so a row whose values are unchanged is unchanged on screen:
+the table keeps a version per row, bumped only when its values change.
+
+Nothing is drawn per row until it is on screen. `render_line` draws one
+screen line from a strip cached by (row key, row version, line of the row,
+column widths, style); cells are cached too, by (column, value, width). A
+tick that changes five visible rows refreshes and draws those five rows'
+lines; a re-sort or a scroll re-uses the strips of rows that did not change.
+A sync of thousands of rows costs a comparison of their raw tuples.
+
+The cursor behaves as htop's: across refreshes and re-sorts it stays at its
+row *position* (the row under it may change), unless `follow` is set, when
+it stays on the same row key. `move_to_key` moves it explicitly.
+
+Untrusted text never reaches the terminal as control characters: every line
+of every cell goes through `offtop.safe_text.printable` before it is drawn,
+and cells are `Text`, never markup.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from rich.segment import Segment
+from rich.style import Style
+from rich.text import Text
+from textual import events
+from textual.binding import Binding, BindingType
+from textual.cache import LRUCache
+from textual.geometry import Region, Size
+from textual.message import Message
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from offtop.safe_text import printable
+
+#: One row handed to `LineTable.sync_rows`: its key and its raw cell values.
+KeyedRow = tuple[str, tuple[Hashable, ...]]
+
+#: The lines of one rendered cell, each exactly as wide as its column.
+CellLines = tuple[tuple[Segment, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """A column: its key, header label and width in cells (without padding).
+
+    A `flex` column is at least `width` wide and shares what is left of the
+    table's width with the other flexible columns.
+    """
+
+    key: str
+    label: str | Text
+    width: int
+    flex: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where the columns sit at one table width (padding included)."""
+
+    widths: tuple[int, ...]
+    offsets: tuple[int, ...]
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class _LineStyle:
+    """How a row's line is styled: `pre` under the cells' own styles, `post`
+    over them (the cursor's colours win over a cell's, as in DataTable)."""
+
+    pre: Style
+    post: Style | None = None
+
+    @classmethod
+    def over(cls, base: Style, component: Style) -> _LineStyle:
+        """A component's style (cursor, hover) on top of the table's."""
+        return cls(base + component, Style.from_color(component.color, component.bgcolor))
+
+
+@dataclass(frozen=True, slots=True)
+class _PassStyles:
+    """The styles of one render pass (reading them per line is costly)."""
+
+    base: _LineStyle
+    cursor: _LineStyle
+    hover: _LineStyle
+    header: Style
+    cursor_shown: bool
+
+
+class LineTable(ScrollView, can_focus=True):
+    """A row-cursor table refreshed by keyed diff and drawn line by line."""
+
+    DEFAULT_CSS = """
+    LineTable {
+        background: $surface;
+        color: $foreground;
+        &:focus {
+            background-tint: $foreground 5%;
+            & > .line-table--cursor {
+                background: $block-cursor-background;
+                color: $block-cursor-foreground;
+                text-style: $block-cursor-text-style;
+            }
+            & > .line-table--header {
+                background-tint: $foreground 5%;
+            }
+        }
+        & > .line-table--header {
+            text-style: bold;
+            background: $panel;
+            color: $foreground;
+        }
+        & > .line-table--cursor {
+            background: $block-cursor-blurred-background;
+            color: $block-cursor-blurred-foreground;
+            text-style: $block-cursor-blurred-text-style;
+        }
+        & > .line-table--hover {
+            background: $block-hover-background;
+        }
+    }
+    """
+
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
+        "line-table--header",
+        "line-table--cursor",
+        "line-table--hover",
+    }
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("up", "cursor_up", "Up", show=False),
+        Binding("down", "cursor_down", "Down", show=False),
+        Binding("pageup", "page_up", "Page up", show=False),
+        Binding("pagedown", "page_down", "Page down", show=False),
+        Binding("home", "first_row", "First row", show=False, id="table.first"),
+        Binding("end", "last_row", "Last row", show=False, id="table.last"),
+        Binding("enter", "select_cursor", "Select", show=False),
+    ]
+
+    #: Lines per row.
+    ROW_HEIGHT: ClassVar[int] = 1
+    #: Draw a header line with the column labels (clicking one posts `HeaderClicked`).
+    SHOW_HEADER: ClassVar[bool] = True
+    #: Draw the cursor only while the table has the focus (for tables whose
+    #: rows come and go, where a cursor would suggest a selection that is not kept).
+    CURSOR_FOCUS_ONLY: ClassVar[bool] = False
+    #: Blank cells either side of each cell.
+    CELL_PADDING: ClassVar[int] = 1
+
+    class RowHighlighted(Message):
+        """The row under the cursor is another row (by key) than before."""
+
+        def __init__(self, table: LineTable, key: str, index: int) -> None:
+            super().__init__()
+            self.table = table
+            self.key = key
+            self.index = index
+
+        @property
+        def control(self) -> LineTable:
+            """The table (for `@on(..., selector)`)."""
+            return self.table
+
+        def can_replace(self, message: Message) -> bool:
+            """Only the newest highlight of a table matters."""
+            return isinstance(message, LineTable.RowHighlighted) and message.table is self.table
+
+    class RowSelected(Message):
+        """Enter, or a click on the row already under the cursor."""
+
+        def __init__(self, table: LineTable, key: str, index: int) -> None:
+            super().__init__()
+            self.table = table
+            self.key = key
+            self.index = index
+
+        @property
+        def control(self) -> LineTable:
+            """The table (for `@on(..., selector)`)."""
+            return self.table
+
+    class HeaderClicked(Message):
+        """A column header was clicked (tables sort on it)."""
+
+        def __init__(self, table: LineTable, column: str) -> None:
+            super().__init__()
+            self.table = table
+            self.column = column
+
+        @property
+        def control(self) -> LineTable:
+            """The table (for `@on(..., selector)`)."""
+            return self.table
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        #: Keep the cursor on its row key across refreshes (htop's follow);
+        #: otherwise it keeps its position.
+        self.follow = False
+        #: Draw the cursor at all (see also `CURSOR_FOCUS_ONLY`).
+        self.show_cursor = True
+        #: Lines drawn (strip cache misses) since the table was made: what a
+        #: refresh really cost, for tests and benchmarks.
+        self.lines_rendered = 0
+        self._table_columns: tuple[Column, ...] = ()
+        self._keys: list[str] = []
+        self._index: dict[str, int] = {}
+        self._raw: dict[str, tuple[Hashable, ...]] = {}
+        self._versions: dict[str, int] = {}
+        self._next_version = itertools.count(1).__next__
+        # Bumped when what `render_cell` draws changes without the values
+        # changing (new columns, `refresh_cells`): part of every cache key.
+        self._generation = 0
+        self._cursor = 0
+        self._hover: int | None = None
+        # The key last announced by `RowHighlighted`: what "the row under the
+        # cursor" was, even while the rows are being replaced.
+        self._highlighted: str | None = None
+        self._layouts: dict[int, _Layout] = {}
+        self._cells: LRUCache[tuple[object, ...], CellLines] = LRUCache(4096)
+        self._lines: LRUCache[tuple[object, ...], Strip] = LRUCache(1024)
+        self._pass: _PassStyles | None = None
+
+    # --- columns ----------------------------------------------------------
+
+    def set_columns(self, columns: Sequence[Column | tuple[str, str, int]]) -> None:
+        """(Re)define the columns (`Column`s or `(key, label, width)`); drops all rows.
+
+        The cursor keeps its position (and, with `follow`, its key) for the
+        rows synced next.
+        """
+        self._table_columns = tuple(c if isinstance(c, Column) else Column(*c) for c in columns)
+        self._layouts.clear()
+        self._generation += 1
+        self._keys, self._index, self._raw, self._versions = [], {}, {}, {}
+        self._update_virtual_size()
+        self.refresh()
+
+    def set_column_label(self, key: str, label: str | Text) -> None:
+        """Change a column's header label in place."""
+        self._table_columns = tuple(
+            Column(c.key, label, c.width, c.flex) if c.key == key else c for c in self._table_columns
+        )
+        self._generation += 1
+        if self.SHOW_HEADER:
+            self.refresh(Region(0, 0, self.size.width, 1))
+
+    @property
+    def column_keys(self) -> list[str]:
+        """The keys of the columns, left to right."""
+        return [c.key for c in self._table_columns]
+
+    def render_cell(self, column: str, value: Hashable) -> Text:
+        """Turn one raw value into what the cell shows (override).
+
+        The result must depend on `column` and `value` only (cells are cached
+        by them); call `refresh_cells` when something else it reads changes.
+        A `\\n` starts the cell's next line (for tables of 2-line rows).
+        """
+        return Text(str(value), end="")
+
+    def refresh_cells(self) -> None:
+        """Re-render every cell (after a change `render_cell` depends on)."""
+        self._generation += 1
+        self.refresh()
+
+    def get_cell(self, key: str, column: str) -> Text:
+        """What the cell of row `key` in `column` shows (KeyError if none)."""
+        raw = self._raw[key]
+        return self.render_cell(column, raw[self.column_keys.index(column)])
+
+    # --- rows -------------------------------------------------------------
+
+    @property
+    def row_keys_in_order(self) -> list[str]:
+        """The keys of the rows, top to bottom."""
+        return list(self._keys)
+
+    @property
+    def row_count(self) -> int:
+        """The number of rows."""
+        return len(self._keys)
+
+    def sync_rows(self, rows: Sequence[KeyedRow]) -> None:
+        """Make the table show `rows`, in this order; redraw only what changed.
+
+        Keys must be unique (ValueError otherwise).
+        """
+        raw = dict(rows)
+        if len(raw) != len(rows):
+            raise ValueError("duplicate row keys")
+        old_raw, old_versions = self._raw, self._versions
+        versions: dict[str, int] = {}
+        changed: list[str] = []
+        for key, values in rows:
+            old = old_raw.get(key)
+            if old is None or old != values:
+                versions[key] = self._next_version()
+                changed.append(key)
+            else:
+                versions[key] = old_versions[key]
+        keys = [key for key, _ in rows]
+        reordered = keys != self._keys
+        if reordered:
+            self._keys = keys
+            self._index = {key: i for i, key in enumerate(keys)}
+        self._raw, self._versions = raw, versions
+        self._update_virtual_size()
+        before = self._cursor
+        self._place_cursor()
+        if reordered or self._cursor != before:
+            self.refresh()
+        else:
+            for key in changed:
+                self._refresh_row(self._index[key])
+        self._announce()
+
+    def _place_cursor(self) -> None:
+        """After a sync: the same key if following it, else the same position."""
+        if self.follow and self._highlighted is not None:
+            index = self._index.get(self._highlighted)
+            if index is not None:
+                self._cursor = index
+                self._scroll_to_cursor()
+                return
+        self._cursor = max(0, min(self._cursor, len(self._keys) - 1))
+
+    # --- the cursor ---------------------------------------------------------
+
+    @property
+    def cursor_row(self) -> int:
+        """The position of the cursor (0 in an empty table)."""
+        return self._cursor
+
+    @property
+    def cursor_key(self) -> str | None:
+        """The key of the row under the cursor, if any."""
+        return self._keys[self._cursor] if self._keys else None
+
+    def move_cursor(self, row: int, *, scroll: bool = True) -> None:
+        """Put the cursor on the row at position `row` (clamped)."""
+        row = max(0, min(row, len(self._keys) - 1))
+        if row != self._cursor:
+            self._refresh_row(self._cursor)
+            self._cursor = row
+            self._refresh_row(row)
+        if scroll:
+            self._scroll_to_cursor()
+        self._announce()
+
+    def move_to_key(self, key: str, *, scroll: bool = True) -> bool:
+        """Put the cursor on the row with `key`; False if there is no such row."""
+        index = self._index.get(key)
+        if index is None:
+            return False
+        self.move_cursor(index, scroll=scroll)
+        return True
+
+    def _announce(self) -> None:
+        key = self.cursor_key
+        if key is not None and key != self._highlighted:
+            self._highlighted = key
+            self.post_message(self.RowHighlighted(self, key, self._cursor))
+
+    def _cursor_shown(self) -> bool:
+        return self.show_cursor and (self.has_focus or not self.CURSOR_FOCUS_ONLY)
+
+    @property
+    def _header_height(self) -> int:
+        return 1 if self.SHOW_HEADER else 0
+
+    def _body_height(self) -> int:
+        """Lines of rows in view."""
+        return self.scrollable_content_region.height - self._header_height
+
+    def _page_rows(self) -> int:
+        return max(1, self._body_height() // self.ROW_HEIGHT)
+
+    def _scroll_to_cursor(self) -> None:
+        body = self._body_height()
+        if body <= 0 or not self._keys:
+            return
+        top = self._cursor * self.ROW_HEIGHT
+        bottom = top + self.ROW_HEIGHT
+        y = self.scroll_offset.y
+        if top < y:
+            y = top
+        elif bottom > y + body:
+            y = bottom - body
+        if y != self.scroll_offset.y:
+            self.scroll_to(y=y, animate=False, force=True)
+
+    def action_cursor_up(self) -> None:
+        """One row up."""
+        self.move_cursor(self._cursor - 1)
+
+    def action_cursor_down(self) -> None:
+        """One row down."""
+        self.move_cursor(self._cursor + 1)
+
+    def action_page_up(self) -> None:
+        """One screenful up."""
+        self.move_cursor(self._cursor - self._page_rows())
+
+    def action_page_down(self) -> None:
+        """One screenful down."""
+        self.move_cursor(self._cursor + self._page_rows())
+
+    def action_first_row(self) -> None:
+        """The first row."""
+        self.move_cursor(0)
+
+    def action_last_row(self) -> None:
+        """The last row."""
+        self.move_cursor(len(self._keys) - 1)
+
+    def action_select_cursor(self) -> None:
+        """Post `RowSelected` for the row under the cursor."""
+        key = self.cursor_key
+        if key is not None:
+            self.post_message(self.RowSelected(self, key, self._cursor))
+
+    # --- mouse and focus ------------------------------------------------------
+
+    def _row_at(self, y: int) -> int | None:
+        """The row index at line `y` of the content area (below the header)."""
+        line = y - self._header_height
+        if line < 0:
+            return None
+        row = (line + self.scroll_offset.y) // self.ROW_HEIGHT
+        return row if row < len(self._keys) else None
+
+    def _column_at(self, x: int) -> str | None:
+        layout = self._layout(self.scrollable_content_region.width)
+        x += self.scroll_offset.x
+        for column, start, width in zip(self._table_columns, layout.offsets, layout.widths,
+                                        strict=True):
+            if start <= x < start + width:
+                return column.key
+        return None
+
+    def on_click(self, event: events.Click) -> None:
+        """A header sorts; a row moves the cursor, a second click selects it."""
+        offset = event.get_content_offset(self)
+        if offset is None:
+            return
+        if offset.y < self._header_height:
+            column = self._column_at(offset.x)
+            if column is not None:
+                event.stop()
+                self.post_message(self.HeaderClicked(self, column))
+            return
+        row = self._row_at(offset.y)
+        if row is None or not self.show_cursor:
+            return
+        event.stop()
+        if row == self._cursor:
+            self.action_select_cursor()
+        else:
+            self.move_cursor(row)
+
+    def on_mouse_move(self, event: events.MouseMove) -> None:
+        """The row under the mouse is drawn hovered."""
+        offset = event.get_content_offset(self)
+        self._set_hover(self._row_at(offset.y) if offset is not None else None)
+
+    def on_leave(self, _: events.Leave) -> None:
+        """The mouse left: no row hovered."""
+        self._set_hover(None)
+
+    def _set_hover(self, row: int | None) -> None:
+        if row != self._hover:
+            if self._hover is not None:
+                self._refresh_row(self._hover)
+            self._hover = row
+            if row is not None:
+                self._refresh_row(row)
+
+    def on_focus(self) -> None:
+        """The cursor may be drawn differently (or only) while focused."""
+        self._refresh_row(self._cursor)
+
+    def on_blur(self) -> None:
+        """See `on_focus`."""
+        self._refresh_row(self._cursor)
+
+    def on_resize(self, _: events.Resize) -> None:
+        """Flexible columns take the new width; the cursor stays in view."""
+        self._update_virtual_size()
+        self._scroll_to_cursor()
+        self.refresh()
+
+    # --- drawing ----------------------------------------------------------------
+
+    def _layout(self, width: int) -> _Layout:
+        """Column widths and offsets at a table width (flexible columns filled)."""
+        layout = self._layouts.get(width)
+        if layout is not None:
+            return layout
+        pad = 2 * self.CELL_PADDING
+        widths = [c.width for c in self._table_columns]
+        flex = [i for i, c in enumerate(self._table_columns) if c.flex]
+        spare = width - sum(w + pad for w in widths)
+        if flex and spare > 0:
+            share, extra = divmod(spare, len(flex))
+            for n, i in enumerate(flex):
+                widths[i] += share + (1 if n < extra else 0)
+        offsets, x = [], 0
+        for w in widths:
+            offsets.append(x)
+            x += w + pad
+        layout = _Layout(tuple(widths), tuple(offsets), x)
+        if len(self._layouts) > 8:
+            self._layouts.clear()
+        self._layouts[width] = layout
+        return layout
+
+    def _update_virtual_size(self) -> None:
+        # The virtual width is the narrowest the columns can be: flexible
+        # columns then fill whatever is in view, and there is nothing to
+        # scroll sideways unless the view is narrower than that.
+        pad = 2 * self.CELL_PADDING
+        width = sum(c.width + pad for c in self._table_columns)
+        height = self._header_height + len(self._keys) * self.ROW_HEIGHT
+        self.virtual_size = Size(width, height)
+
+    def _refresh_row(self, row: int) -> None:
+        """Redraw the lines of row `row` if they are in view."""
+        y = self._header_height + row * self.ROW_HEIGHT - self.scroll_offset.y
+        if y + self.ROW_HEIGHT > self._header_height and y < self.size.height:
+            self.refresh(Region(0, y, self.size.width, self.ROW_HEIGHT))
+
+    def _styles(self) -> _PassStyles:
+        styles = self._pass
+        if styles is None:
+            base = self.rich_style
+            component = self.get_component_rich_style
+            styles = self._pass = _PassStyles(
+                base=_LineStyle(base),
+                cursor=_LineStyle.over(base, component("line-table--cursor")),
+                hover=_LineStyle.over(base, component("line-table--hover")),
+                header=base + component("line-table--header"),
+                cursor_shown=self._cursor_shown(),
+            )
+        return styles
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        """Read the styles once for the lines of this pass."""
+        self._pass = None
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._pass = None
+
+    def render_line(self, y: int) -> Strip:
+        """Line `y` of the view: the header, a line of a row, or blank."""
+        styles = self._styles()
+        width = self.size.width
+        scroll_x, scroll_y = self.scroll_offset
+        layout = self._layout(self.scrollable_content_region.width)
+        if y < self._header_height:
+            return self._header_line(layout, styles.header, scroll_x, width)
+        row, sub = divmod(y - self._header_height + scroll_y, self.ROW_HEIGHT)
+        if row >= len(self._keys):
+            return Strip.blank(width, styles.base.pre)
+        key = self._keys[row]
+        if row == self._cursor and styles.cursor_shown:
+            style = styles.cursor
+        elif row == self._hover:
+            style = styles.hover
+        else:
+            style = styles.base
+        cache_key = (key, self._versions[key], sub, layout.widths, self._generation, style,
+                     scroll_x, width)
+        strip = self._lines.get(cache_key)
+        if strip is None:
+            self.lines_rendered += 1
+            plain = self._row_line(self._raw[key], sub, layout)
+            pad = style.pre + style.post if style.post is not None else style.pre
+            strip = Strip(Segment.apply_style(plain, style.pre, style.post), plain.cell_length)
+            strip = strip.simplify().crop_extend(scroll_x, scroll_x + width, pad)
+            self._lines.set(cache_key, strip)
+        return strip
+
+    def _header_line(self, layout: _Layout, style: Style, scroll_x: int, width: int) -> Strip:
+        cache_key = ("\0header", self._generation, layout.widths, style, scroll_x, width)
+        strip = self._lines.get(cache_key)
+        if strip is None:
+            # Labels are cropped, not ellipsized: a sort mark that does not fit
+            # is dropped rather than the label's last letter.
+            cells = [
+                self._text_lines(Text(c.label, overflow="crop") if isinstance(c.label, str)
+                                 else c.label, w, 1)[0]
+                for c, w in zip(self._table_columns, layout.widths, strict=True)
+            ]
+            strip = self._join(cells, layout).apply_style(style).simplify()
+            strip = strip.crop_extend(scroll_x, scroll_x + width, style)
+            self._lines.set(cache_key, strip)
+        return strip
+
+    def _row_line(self, raw: tuple[Hashable, ...], sub: int, layout: _Layout) -> Strip:
+        """Line `sub` of a row, unstyled (the cursor's style goes on top)."""
+        cells = [
+            self._cell(column.key, value, width)[sub]
+            for column, value, width in zip(self._table_columns, raw, layout.widths, strict=True)
+        ]
+        return self._join(cells, layout)
+
+    def _join(self, cells: Iterable[tuple[Segment, ...]], layout: _Layout) -> Strip:
+        pad = Segment(" " * self.CELL_PADDING)
+        segments: list[Segment] = []
+        for cell in cells:
+            segments.append(pad)
+            segments.extend(cell)
+            segments.append(pad)
+        return Strip(segments, layout.total)
+
+    def _cell(self, column: str, value: Hashable, width: int) -> CellLines:
+        """A cell's lines at `width`, cached by its column and value."""
+        cache_key = (column, type(value), value, width, self._generation)
+        lines = self._cells.get(cache_key)
+        if lines is None:
+            lines = self._text_lines(self.render_cell(column, value), width, self.ROW_HEIGHT)
+            self._cells.set(cache_key, lines)
+        return lines
+
+    def _text_lines(self, text: Text, width: int, height: int) -> CellLines:
+        """`text` cut into `height` lines of exactly `width` cells each."""
+        console = self.app.console
+        parts = text.split("\n", allow_blank=True) if "\n" in text.plain else [text.copy()]
+        overflow = text.overflow or "ellipsis"
+        out: list[tuple[Segment, ...]] = []
+        for i in range(height):
+            line = parts[i] if i < len(parts) else Text()
+            if line.style:
+                # `Text.render` draws spans only: the text's own style must be one.
+                line.stylize_before(line.style)
+                line.style = ""
+            if not line.plain.isprintable():
+                line = _printable(line, line.render(console))
+            line.truncate(width, overflow=overflow)
+            gap = width - line.cell_len
+            if gap > 0:
+                if text.justify == "right":
+                    line.pad_left(gap)
+                else:
+                    line.pad_right(gap)
+            out.append(tuple(line.render(console)))
+        return tuple(out)
+
+
+def _printable(line: Text, segments: Iterable[Segment]) -> Text:
+    """`line` (drawn as `segments`) with its control characters replaced by
+    visible escapes, its styles kept."""
+    out = Text(justify=line.justify, overflow=line.overflow, no_wrap=True, end="")
+    for segment in segments:
+        out.append(printable(segment.text), segment.style)
+    return out
