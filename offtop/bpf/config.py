@@ -46,7 +46,7 @@ class EngineConfig:
     #: Flood control: above this many long-block events a second, the
     #: threshold in the kernel is raised (the blocks are summed there
     #: instead) until the flood passes. 0: never.
-    event_budget_per_s: int = 50_000
+    event_budget_per_s: int = 100_000
     #: Symbolizing may take at most this share of each sub-tick.
     symbol_budget_s: float = 0.05
     exclude_self: bool = True
