@@ -134,7 +134,7 @@ PERF_MAP_TRUNCATED = "perf map too large"
 PERF_MAP_LONG_LINE = "perf map line too long"
 
 #: Caps on what one process may make offtop read and keep.
-MAX_MAPS_BYTES = 8 << 20
+MAX_MAPS_BYTES = 2 << 20  # ~20,000 lines: 10x a browser's; ~30 ms to read and parse
 MAX_MAPPINGS = 16384  # executable mappings kept per process
 MAX_PERF_MAP_BYTES = 64 << 20
 MAX_PERF_MAP_ENTRIES = 1 << 18
@@ -391,6 +391,11 @@ class UserSymbols:
     def cached_processes(self) -> int:
         """How many processes have a symbol cache."""
         return len(self._procs)
+
+    @property
+    def cached_frames(self) -> int:
+        """How many resolved frames are cached, all processes together (<= max_frames)."""
+        return self._frames
 
     def _new_proc(self, pid: int, start: int) -> _Proc:
         maps = self._read_maps(pid)

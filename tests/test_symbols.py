@@ -392,3 +392,35 @@ def test_user_symbols_count_misses_by_cause_with_injected_maps(tmp_path: Path) -
     frames = u.resolve_stack(5, [0x1010, 0x1800])
     assert [f.name for f in frames] == ["lib.so+0x3010", "lib.so+0x3800"]
     assert u.errors == {"unreadable": 2}
+
+
+def test_a_library_mapped_later_is_found_once_maps_are_read_again(tmp_path: Path) -> None:
+    """dlopen after first sight: the address is untrusted until the maps are read again,
+    which happens on a miss at most once a second (a junk address must not cost a
+    read of the whole map each time)."""
+    now = [0.0]
+    maps = [Mapping(0x1000, 0x2000, 0, "/lib/a.so", str(tmp_path / "a"))]
+    reads = [0]
+
+    def read(pid: int) -> list[Mapping]:
+        reads[0] += 1
+        return list(maps)
+
+    u = UserSymbols(start_time=lambda pid: 1, maps=read, clock=lambda: now[0])
+    assert [f.name for f in u.resolve_stack(3, [0x5010])] == [MARK_TRUNCATED]
+    maps.append(Mapping(0x5000, 0x6000, 0x2000, "/lib/b.so", str(tmp_path / "b")))
+    now[0] = 0.5
+    assert [f.name for f in u.resolve_stack(3, [0x5010])] == [MARK_TRUNCATED]  # not yet
+    assert reads[0] == 1
+    now[0] = 1.5
+    assert [f.name for f in u.resolve_stack(3, [0x5010])] == ["b.so+0x2010"]
+    assert reads[0] == 2
+    assert u.errors == {UNTRUSTED: 2, "unreadable": 1}
+
+
+def test_cached_frames_stay_bounded_whatever_a_process_does(tmp_path: Path) -> None:
+    maps = [Mapping(0x100000, 0x10000000, 0, "/lib/big.so", str(tmp_path / "missing"))]
+    u = UserSymbols(start_time=lambda pid: 1, maps=lambda pid: maps, max_frames=1000)
+    for i in range(5000):  # a stack of new addresses every time
+        u.resolve_stack(1, [0x100000 + 16 * i, 0x200000 + 16 * i])
+    assert 0 < u.cached_frames <= 1000

@@ -31,6 +31,7 @@ from offtop.unwind.cfi import (
     CfiLimits,
     Cie,
     ParseStats,
+    State,
     StateKey,
     iter_entries,
     read_encoded,
@@ -67,7 +68,7 @@ def _rows(program: bytes, *, initial: bytes = GCC_CIE,
     cie = _cie(initial)
     lim = limits or CfiLimits()
     intern: dict[StateKey, int] = {}
-    start: StateKey = ((CfaKind.NONE, 0, 0, 0), (RegKind.SAME, 0, 0), (RegKind.SAME, 0, 0))
+    start: State = ((CfaKind.NONE, 0, 0, 0), (RegKind.SAME, 0, 0), (RegKind.SAME, 0, 0))
     _, init = run_program(cie.initial, cie, start, start, 0, lim, intern)
     rows, _ = run_program(program, cie, init, init, 0x1000, lim, intern)
     by_id = {rid: Rule.from_key(k) for k, rid in intern.items()}
@@ -666,21 +667,25 @@ def test_debug_frame_from_the_file_and_from_a_build_id_debug_file(tmp_path: Path
 
 # --- against gdb -------------------------------------------------------------
 
-def _gdb_frames(pid: int, tid: int) -> list[int]:
+def _gdb_frames(pid: int, tid: int) -> list[int | None]:
     """The frame pcs gdb's backtrace shows for thread `tid`, inline frames merged.
 
     gdb stops the process meanwhile: call it after offtop has read the stack.
     """
     out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx",
                           "-ex", "set print frame-info location-and-address",
+                          "-ex", "set backtrace past-main on",
                           "-ex", "thread apply all bt"], capture_output=True, text=True, timeout=120).stdout
-    frames: dict[int, list[int]] = {}
+    frames: dict[int, list[int | None]] = {}
     cur: int | None = None
     for line in out.splitlines():
         m = re.match(r"Thread \d+ \(.*LWP (\d+)\)", line)
         if m:
             cur = int(m.group(1))
             frames[cur] = []
+            continue
+        if re.match(r"#\d+\s+<signal handler called>", line) and cur is not None:
+            frames[cur].append(None)  # gdb shows the signal trampoline without its pc
             continue
         m = re.match(r"#\d+\s+(0x[0-9a-f]+) in ", line)
         if m and cur is not None:
@@ -703,10 +708,10 @@ GDB_CASES = {
 
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed (Debian's gdb)")
 @pytest.mark.skipif(os.geteuid() != 0, reason="gdb must attach to a process that is not its child: root")
-@pytest.mark.parametrize("name", [*GDB_CASES, "nofp-thread"])
+@pytest.mark.parametrize("name", [*GDB_CASES, "nofp-read", "nofp-deref", "nofp-thread", "nofp-signal"])
 def test_same_frames_as_gdb(name: str, nofp_bin: Path) -> None:
-    if name == "nofp-thread":
-        ctx = blocked([str(nofp_bin), "thread"], ready_line=True)
+    if name.startswith("nofp-"):
+        ctx = blocked([str(nofp_bin), name.removeprefix("nofp-")], ready_line=True)
     else:
         cmd, stdin = GDB_CASES[name]
         if not os.path.exists(cmd[0]):
@@ -716,7 +721,9 @@ def test_same_frames_as_gdb(name: str, nofp_bin: Path) -> None:
         r = Unwinder().unwind_blocked(pid, tid)  # read first: gdb stops the target
         gdb = _gdb_frames(pid, tid)
     assert len(gdb) >= 4, "gdb showed no backtrace"
-    assert list(r.addresses) == gdb, f"offtop {[hex(a) for a in r.addresses]} gdb {[hex(a) for a in gdb]}"
+    ours = [a if g is not None else None for a, g in zip(r.addresses, gdb, strict=False)]
+    assert ours == gdb and len(r.addresses) == len(gdb), \
+        f"offtop {[hex(a) for a in r.addresses]} gdb {[g and hex(g) for g in gdb]}"
     assert r.complete
 
 

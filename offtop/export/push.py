@@ -318,7 +318,10 @@ class Pusher:
             with urllib.request.urlopen(req, timeout=self._timeout) as resp:
                 resp.read()
         except urllib.error.HTTPError as e:
-            detail = printable(e.read(200).decode("utf-8", "replace").strip())
+            try:
+                detail = printable(e.read(200).decode("utf-8", "replace").strip())
+            except OSError:  # the body could not be read: the status says enough
+                detail = ""
             msg = f"HTTP {e.code} from {self.endpoint}: {detail}" if detail else \
                 f"HTTP {e.code} from {self.endpoint}"
             if e.code == 429 or e.code >= 500:

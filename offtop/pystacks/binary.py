@@ -15,13 +15,14 @@ disk since), and each parsed file is shared by all processes that map it.
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from offtop.safe_files import FileRefused, open_regular
 from offtop.symbols import Mapping, read_maps
 
 #: Exported symbols a reader needs.
@@ -36,8 +37,8 @@ _SYM = struct.Struct("<IBBHQQ")
 _PT_LOAD = 1
 _SHT_SYMTAB = 2
 _SHT_DYNSYM = 11
-#: A symbol table larger than this is not read (libpython's .symtab is ~1 MB).
-_MAX_TABLE = 64 << 20
+#: A symbol or string table larger than this is not read (libpython's .symtab is ~1 MB).
+_MAX_TABLE = 16 << 20
 
 _VERSION_IN_NAME = re.compile(r"python(\d)\.(\d{1,2})")
 
@@ -69,44 +70,50 @@ class Interpreter:
     """(major, minor) from the file's name (libpython3.9.so, python3.9), if it says."""
 
 
-def parse_elf_symbols(data: bytes | mmap.mmap, wanted: frozenset[str] = WANTED) -> ElfInfo:
-    """Load segments and the values of the `wanted` symbols of 64-bit little-endian ELF bytes.
+def parse_elf_symbols(pread: Callable[[int, int], bytes], size: int,
+                      wanted: frozenset[str] = WANTED) -> ElfInfo:
+    """Load segments and the values of the `wanted` symbols of a 64-bit little-endian ELF file.
 
-    Raises ValueError for a file that is not such an ELF file or whose
-    headers point outside it.
+    `pread(offset, length)` reads the file (`size` bytes); only the headers
+    and the symbol tables are read, each capped. Raises ValueError for a
+    file that is not such an ELF file.
     """
-    if len(data) < _EHDR.size or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+    ehdr = pread(0, _EHDR.size)
+    if len(ehdr) < _EHDR.size or ehdr[:4] != b"\x7fELF" or ehdr[4] != 2 or ehdr[5] != 1:
         raise ValueError("not a 64-bit little-endian ELF file")
-    (_, _, _, _, _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum, _) = _EHDR.unpack_from(data, 0)
+    (_, _, _, _, _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum, _) = _EHDR.unpack(ehdr)
     segments = []
-    if phentsize == _PHDR.size and phoff + phnum * _PHDR.size <= len(data):
-        for i in range(phnum):
-            p = _PHDR.unpack_from(data, phoff + i * _PHDR.size)
+    if phentsize == _PHDR.size and phoff + phnum * _PHDR.size <= size:
+        raw = pread(phoff, phnum * _PHDR.size)
+        for p in _PHDR.iter_unpack(raw[:len(raw) - len(raw) % _PHDR.size]):
             if p[0] == _PT_LOAD:
                 segments.append(LoadSegment(offset=p[2], vaddr=p[3], filesz=p[5]))
     shdrs: list[tuple[int, ...]] = []
-    if shentsize == _SHDR.size and shoff and shoff + shnum * _SHDR.size <= len(data):
-        shdrs = [_SHDR.unpack_from(data, shoff + i * _SHDR.size) for i in range(shnum)]
+    if shentsize == _SHDR.size and shoff and shoff + shnum * _SHDR.size <= size:
+        raw = pread(shoff, shnum * _SHDR.size)
+        shdrs = list(_SHDR.iter_unpack(raw[:len(raw) - len(raw) % _SHDR.size]))
     found: dict[str, int] = {}
-    # .dynsym first: it is what a stripped file keeps; .symtab fills in the rest.
+    # .dynsym first: it is what a stripped file keeps; .symtab only for what it lacks.
     for kind in (_SHT_DYNSYM, _SHT_SYMTAB):
         if len(found) == len(wanted):
-            break  # libpython's .symtab has tens of thousands of symbols: skip it when it can
+            break
         for sh in shdrs:
-            if sh[1] != kind or sh[9] != _SYM.size or sh[6] >= len(shdrs) or sh[5] > _MAX_TABLE:
+            if sh[1] != kind or sh[9] != _SYM.size or sh[6] >= len(shdrs):
                 continue
             strtab = shdrs[sh[6]]
-            str_lo, str_hi = strtab[4], strtab[4] + strtab[5]
-            if sh[4] + sh[5] > len(data) or str_hi > len(data):
+            if sh[5] > _MAX_TABLE or strtab[5] > _MAX_TABLE or sh[4] + sh[5] > size \
+                    or strtab[4] + strtab[5] > size:
                 continue
-            for name_off, _info, _other, shndx, value, _size in _SYM.iter_unpack(data[sh[4]:sh[4] + sh[5]]):
-                if shndx == 0 or value == 0 or str_lo + name_off >= str_hi:
+            table = pread(sh[4], sh[5])
+            strings = pread(strtab[4], strtab[5])
+            for name_off, _info, _other, shndx, value, _size in _SYM.iter_unpack(
+                    table[:len(table) - len(table) % _SYM.size]):
+                if shndx == 0 or value == 0 or name_off >= len(strings):
                     continue
-                start = str_lo + name_off
-                end = data.find(b"\0", start, min(str_hi, start + 64))
+                end = strings.find(b"\0", name_off, name_off + 64)
                 if end < 0:
                     continue
-                name = bytes(data[start:end]).decode("ascii", "replace")
+                name = strings[name_off:end].decode("ascii", "replace")
                 if name in wanted and name not in found:
                     found[name] = value
     return ElfInfo(segments=tuple(segments), symbols=found)
@@ -132,20 +139,20 @@ class InterpreterFinder:
         self._proc = proc
 
     def _info(self, handle: str) -> ElfInfo | None:
+        # The file is another user's: opened only if regular (never a FIFO or a
+        # device), read with pread, never mapped (a truncated mapping is SIGBUS).
         try:
-            with open(handle, "rb") as f:
-                st = os.fstat(f.fileno())
-                key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            with open_regular(handle) as f:
+                key = f.identity
                 if key in self._files:
                     self._files.move_to_end(key)
                     return self._files[key]
                 info: ElfInfo | None
                 try:
-                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                        info = parse_elf_symbols(data)
+                    info = parse_elf_symbols(f.pread, f.size)
                 except ValueError:
                     info = None
-        except OSError:
+        except FileRefused:
             return None
         self._files[key] = info
         if len(self._files) > self._max:
@@ -168,8 +175,7 @@ class InterpreterFinder:
             if m.path in seen:
                 continue
             seen.add(m.path)
-            # map_files names carry no leading zeros (41f000-6d2000), unlike maps.
-            info = self._info(f"{self._proc}/{pid}/map_files/{m.start:x}-{m.end:x}")
+            info = self._info(m.handle)
             if info is None or "_PyRuntime" not in info.symbols:
                 continue
             bias = load_bias(info, m)

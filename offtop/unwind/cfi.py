@@ -28,7 +28,9 @@ DW_EH_PE_omit = 0xFF
 DW_EH_PE_indirect = 0x80
 
 #: One interpreter state: (cfa kind, reg, off, arg), (ra kind, reg, off), (rbp kind, reg, off).
-StateKey = tuple[tuple[int, int, int, int], tuple[int, int, int], tuple[int, int, int]]
+State = tuple[tuple[int, int, int, int], tuple[int, int, int], tuple[int, int, int]]
+#: A row's rule as interned: the state, and whether the CIE marks a signal frame ('S').
+StateKey = tuple[tuple[int, int, int, int], tuple[int, int, int], tuple[int, int, int], bool]
 #: Rows of one FDE: (pc relative to the FDE's start, interned rule id).
 Rows = tuple[tuple[int, int], ...]
 
@@ -166,7 +168,7 @@ class Cie:
     has_aug_data: bool  #: 'z': FDEs carry an augmentation data length
     signal_frame: bool  #: 'S': frames of this CIE are signal trampolines
     initial: bytes  #: initial instructions
-    init_state: StateKey | None = None  #: state after `initial` (computed on first use)
+    init_state: State | None = None  #: state after `initial` (computed on first use)
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,17 +469,17 @@ def _reg_expression(expr: bytes) -> tuple[int, int, int]:
     return _UNSUP
 
 
-def initial_state(cie: Cie, limits: CfiLimits, intern: dict[StateKey, int]) -> StateKey:
+def initial_state(cie: Cie, limits: CfiLimits, intern: dict[StateKey, int]) -> State:
     """The state after a CIE's initial instructions (cached on the CIE)."""
     if cie.init_state is None:
-        start: StateKey = (_NO_RULE, _SAME, _SAME)
+        start: State = (_NO_RULE, _SAME, _SAME)
         _, final = run_program(cie.initial, cie, start, start, 0, limits, intern)
         cie.init_state = final
     return cie.init_state
 
 
-def run_program(code: bytes, cie: Cie, init: StateKey, state: StateKey, pc_begin: int,
-                limits: CfiLimits, intern: dict[StateKey, int]) -> tuple[list[tuple[int, int]], StateKey]:
+def run_program(code: bytes, cie: Cie, init: State, state: State, pc_begin: int,
+                limits: CfiLimits, intern: dict[StateKey, int]) -> tuple[list[tuple[int, int]], State]:
     """Interpret CFA instructions: rows (pc - pc_begin, rule id) and the final state.
 
     `init` is the CIE's state (what DW_CFA_restore returns to), `state` the
@@ -489,7 +491,8 @@ def run_program(code: bytes, cie: Cie, init: StateKey, state: StateKey, pc_begin
     ra_reg = cie.ra_reg
     caf = cie.code_align
     daf = cie.data_align
-    stack: list[StateKey] = []
+    stack: list[State] = []
+    signal = cie.signal_frame
     rows: list[tuple[int, int]] = []
     loc = 0
     pos = 0
@@ -502,7 +505,7 @@ def run_program(code: bytes, cie: Cie, init: StateKey, state: StateKey, pc_begin
 
     def record() -> None:
         last[0], last[1], last[2] = cfa, ra, bp
-        key = (cfa, ra, bp)
+        key = (cfa, ra, bp, signal)
         rid = intern.get(key)
         if rid is None:
             rid = intern[key] = len(intern) + 1  # 0 means "no rule"

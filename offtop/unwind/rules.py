@@ -61,13 +61,16 @@ class Rule:
     bp: RegKind
     bp_reg: int
     bp_off: int
+    #: A signal trampoline (CIE augmentation 'S', glibc's __restore_rt): the
+    #: caller's pc is where the signal interrupted it, not a return address.
+    signal: bool = False
 
     @classmethod
     def from_key(cls, key: tuple[tuple[int, int, int, int], tuple[int, int, int],
-                                 tuple[int, int, int]]) -> Rule:
-        """The rule of an interpreter state key ((cfa...), (ra...), (bp...))."""
-        (c, creg, coff, carg), (r, rreg, roff), (b, breg, boff) = key
-        return cls(CfaKind(c), creg, coff, carg, RegKind(r), rreg, roff, RegKind(b), breg, boff)
+                                 tuple[int, int, int], bool]) -> Rule:
+        """The rule of an interpreter state key ((cfa...), (ra...), (bp...), signal)."""
+        (c, creg, coff, carg), (r, rreg, roff), (b, breg, boff), signal = key
+        return cls(CfaKind(c), creg, coff, carg, RegKind(r), rreg, roff, RegKind(b), breg, boff, signal)
 
     def describe(self) -> str:
         """A readable form like readelf's, for messages and tests."""
@@ -80,8 +83,8 @@ class Rule:
             CfaKind.PLT: f"plt(rsp+{self.cfa_off},{self.cfa_arg})",
             CfaKind.UNSUPPORTED: "expr",
         }[self.cfa]
-        return f"cfa={cfa} ra={_reg_text(self.ra, self.ra_reg, self.ra_off)} " \
-               f"rbp={_reg_text(self.bp, self.bp_reg, self.bp_off)}"
+        return (f"cfa={cfa} ra={_reg_text(self.ra, self.ra_reg, self.ra_off)} "
+                f"rbp={_reg_text(self.bp, self.bp_reg, self.bp_off)}" + (" signal" if self.signal else ""))
 
 
 def _reg_text(kind: RegKind, reg: int, off: int) -> str:

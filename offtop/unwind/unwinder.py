@@ -196,14 +196,17 @@ class Unwinder:
         if m is None:
             return StopReason.PC_UNMAPPED
         f = _Frame(pc, sp, bp, known)
-        first = True
+        # The first frame's pc, and a pc a signal interrupted, are where the
+        # thread stopped; any other is a return address, the instruction
+        # after a call that may end its function: look that up at pc - 1.
+        exact_pc = True
         while True:
             addrs.append(f.pc)
             if len(addrs) >= self.limits.max_frames:
                 return StopReason.MAX_FRAMES
             if self._clock() > deadline:
                 return StopReason.TIME_BUDGET
-            rule = walk.rule(m, f.pc if first else f.pc - 1)
+            rule = walk.rule(m, f.pc if exact_pc else f.pc - 1)
             if rule is False:
                 return StopReason.NO_TABLE
             if rule is None or rule is True or rule.cfa == CfaKind.NONE:
@@ -214,7 +217,7 @@ class Unwinder:
             if cfa is None:
                 assert why is not None
                 return why
-            if cfa <= f.sp:
+            if cfa <= f.sp and not rule.signal:  # (a signal may have switched stacks)
                 return StopReason.SP_NOT_GROWING
             ra, why = _saved(rule.ra, rule.ra_reg, rule.ra_off, cfa, f, mem, current=None)
             if ra is None:
@@ -230,7 +233,7 @@ class Unwinder:
             # Argument registers are caller-saved: unknown past the first frame.
             f = _Frame(ra, cfa, bp, {})
             m = nm
-            first = False
+            exact_pc = rule.signal
 
 
 @dataclass(slots=True)

@@ -547,6 +547,7 @@ class FlameGraph(ScrollView, can_focus=True):
             self._strips.clear()
             if self._cursor not in lay.where:
                 self._cursor = self._zoom
+                self._info = None
         return lay
 
     def _relayout(self) -> None:

@@ -12,11 +12,13 @@
  *   vla      main -> unwind_vla (alloca: keeps rbp as frame pointer) -> f1 -> f2 -> f3 -> read
  *   aligned  main -> unwind_aligned (64-byte aligned locals: realigned stack) -> f1 -> ... read
  *   deref    main -> unwind_deref (assembly: CFA = *(rsp+16), a DWARF expression) -> f1 -> ... read
+ *   signal   main -> unwind_spin, interrupted by SIGALRM: unwind_handler -> f1 -> ... read
  * Prints "ready pid=P tid=T" (T: the blocking thread) just before blocking.
  */
 #define _GNU_SOURCE
 #include <alloca.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,6 +101,20 @@ __asm__(
     ".cfi_endproc\n"
     ".size unwind_deref, .-unwind_deref\n");
 
+static volatile sig_atomic_t spin_done;
+
+FRAME void unwind_handler(int sig)
+{
+    unwind_sink = unwind_f1(sig);
+}
+
+FRAME int unwind_spin(void)
+{
+    while (!spin_done)
+        unwind_sink++;
+    return unwind_sink;
+}
+
 static void *thread_main(void *arg)
 {
     (void)arg;
@@ -129,6 +145,13 @@ int main(int argc, char **argv)
         r = unwind_aligned(argc);
     } else if (strcmp(mode, "deref") == 0) {
         r = unwind_deref(argc);
+    } else if (strcmp(mode, "signal") == 0) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = unwind_handler;
+        sigaction(SIGALRM, &sa, NULL);
+        alarm(1);
+        r = unwind_spin();
     } else {
         return 2;
     }
