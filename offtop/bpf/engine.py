@@ -380,6 +380,7 @@ class BpfSource:
     def _blocked_now(self) -> tuple[list[BlockedNow], set[tuple[str, int]]]:
         assert self._blocked is not None
         rows, live = self._blocked.read()
+        deadline = self._clock() + self.config.symbol_budget_s
         out = []
         for b in rows:
             if not self.targets.accepts(b.pid, b.tid):
@@ -387,7 +388,7 @@ class BpfSource:
             out.append(BlockedNow(
                 pid=b.pid, tid=b.tid, comm=_comm_of(b.pid, b.tid), state=state_name(b.state),
                 blocked_ns=b.waited_ns, kernel=self._kernel(b.kstack),
-                user=self._user(b.pid, b.ustack, None),
+                user=self._user(b.pid, b.ustack, deadline),
             ))
         return out, live
 

@@ -135,7 +135,7 @@ class StackStore:
             return ()
         if deadline is not None and time.monotonic() > deadline:
             self.stats.symbol_deadline_misses += 1
-        frames = self.user_symbols.resolve_stack(pid, addrs)
+        frames = self.user_symbols.resolve_stack(pid, addrs, deadline=deadline)
         complete = not any(f.unknown for f in frames)
         if frames and frames[-1].unknown:
             self.stats.truncated += 1
