@@ -47,10 +47,10 @@ def main(argv: list[str]) -> int:
         overrides[name] = _value(value)
     text = args.source.read_text() if args.source else None
 
-    from offtop.bpf import engine, environment
+    from offtop.bpf import engine, environment, syscalls
 
     if args.no_stats:
-        engine.BpfSource._enable_prog_stats = lambda self: None  # type: ignore[method-assign]
+        syscalls.enable_bpf_run_stats = lambda: -1  # type: ignore[assignment]
 
     if overrides:
         stock = engine.EngineConfig

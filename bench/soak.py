@@ -9,7 +9,7 @@ The engine (`BpfSource`, as offtop's batch mode and TUI drive it) runs in this
 process, so besides RSS the sampler can read what could grow without bound:
 the since-start totals (`Aggregator.tracked_threads`), the per-process
 symbol caches (`UserSymbols.cached_processes`), the frame cache
-(`BpfSource._stack_frames`), the stack ids in use and the kernel's start
+(`BpfSource.stacks`), the stack ids in use and the kernel's start
 map. Load: `offtop_workload pingrate` (~N context switches/s) and
 `offtop_workload churn` (~N short-lived processes/s, each blocking 1 ms).
 
@@ -133,16 +133,16 @@ def handles_lost(start: dict[int, str]) -> list[str]:
 def sample(src: BpfSource, snap: Any, t: float, late_s: float) -> dict[str, Any]:
     """One row: memory, caches, kernel maps, capture health."""
     st = snap.stats
-    start_map = src._bpf["offcpu_start"]
-    usyms = src._usyms
+    usyms = src.user_symbols
+    assert src.stacks is not None
     return {
         "t": round(t, 1),
         "rss_mb": round(rss_mb(), 2),
-        "tracked_threads": src._agg.tracked_threads,
+        "tracked_threads": src.aggregator.tracked_threads,
         "symbol_caches": usyms.cached_processes if usyms else 0,
-        "frame_cache": len(src._stack_frames),
+        "frame_cache": src.stacks.cached,
         "stack_ids": st.stacks_used,
-        "start_map": sum(1 for _ in start_map.items_lookup_batch()),
+        "start_map": sum(1 for _, _, slot in src.probe.thread_records() if slot < 0),
         "tasks": len(snap.tasks),
         "switches_per_s": round(st.switches_per_s),
         "events": st.events,
@@ -187,8 +187,8 @@ def caps(src: BpfSource) -> dict[str, float]:
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
     return {
         "rss_mb": RSS_LIMIT_MB,
-        "tracked_threads": min(src._agg._max_threads * 1.0 + 20_000, pid_max),
-        "symbol_caches": (src._usyms._max if src._usyms else 4096) + 64,
+        "tracked_threads": min(src.aggregator.max_threads * 1.0 + 20_000, pid_max),
+        "symbol_caches": (src.user_symbols.max_processes if src.user_symbols else 4096) + 64,
         "frame_cache": 200_000,
         "stack_ids": 2 * cfg.stack_entries,
         "start_map": cfg.start_entries,

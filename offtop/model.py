@@ -78,6 +78,9 @@ class Sample:
     kernel: tuple[Frame, ...] = ()
     user: tuple[Frame, ...] = ()
     from_event: bool = False
+    #: The process's start time (clock ticks since boot; 0: unknown). With the
+    #: pid it names the process: a reused pid starts its totals afresh.
+    start: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +192,18 @@ class CaptureStats:
     probe_run_ns: int = 0
     probe_runs: int = 0
     interval_s: float = 1.0
+    #: The threshold flood control holds in the kernel (0: none; see offtop.bpf.flood).
+    flood_threshold_ns: int = 0
+    #: User frames left unresolved because the interval's symbol budget ran out.
+    symbol_deadline_misses: int = 0
+    #: Stacks cut at the capture's depth limit; user stacks lost (not stored).
+    depth_limited_stacks: int = 0
+    user_stacks_lost: int = 0
+    #: Symbolization errors by cause (a hostile or odd file), cumulative.
+    symbol_errors: Mapping[str, int] = field(default_factory=dict)
+    #: offtop's own cost: CPU (% of one core over the interval) and resident memory.
+    offtop_cpu_pct: float = 0.0
+    offtop_rss_bytes: int = 0
 
     @property
     def stack_errors_total(self) -> int:
@@ -232,6 +247,10 @@ class Snapshot:
     long_blocks: tuple[LongBlock, ...] = ()
     blocked_now: tuple[BlockedNow, ...] = ()
     stats: CaptureStats = field(default_factory=CaptureStats)
+    #: What happened to the capture's scope in this interval ("pid 123 exited").
+    notices: tuple[str, ...] = ()
+    #: Set once nothing the run was asked to watch is left: why.
+    finished: str = ""
 
     @property
     def total_offcpu_ns(self) -> int:
@@ -268,9 +287,12 @@ class _Acc:
     count: int = 0
     max_ns: int = 0
     events: int = 0
+    start: int = 0
     state_ns: dict[str, int] = field(default_factory=dict)
 
     def add(self, s: Sample) -> None:
+        if s.start:
+            self.start = s.start
         self.offcpu_ns += s.offcpu_ns
         self.count += s.count
         self.max_ns = max(self.max_ns, s.max_ns)
@@ -284,6 +306,7 @@ class _Acc:
 @dataclass(slots=True)
 class _Total:
     pid: int
+    start: int = 0
     total_ns: int = 0
     last_seq: int = 0
 
@@ -304,6 +327,11 @@ class Aggregator:
         self._max_threads = max_threads
 
     @property
+    def max_threads(self) -> int:
+        """How many threads' totals are kept at most."""
+        return self._max_threads
+
+    @property
     def tracked_threads(self) -> int:
         """How many threads have since-start totals (bounded by forgetting)."""
         return len(self._totals)
@@ -320,6 +348,8 @@ class Aggregator:
         stats: CaptureStats | None = None,
         process_meta: Callable[[int], tuple[str, str] | None] | None = None,
         meta_limit: int = 200,
+        notices: Iterable[str] = (),
+        finished: str = "",
     ) -> Snapshot:
         """Aggregate one interval and return its snapshot.
 
@@ -349,8 +379,12 @@ class Aggregator:
 
         for tid, acc in threads.items():
             tot = self._totals.get(tid)
-            if tot is None or tot.pid != acc.pid:
-                tot = self._totals[tid] = _Total(pid=acc.pid)
+            if tot is None or tot.pid != acc.pid or (tot.start and acc.start
+                                                     and tot.start != acc.start):
+                # A new thread, or this tid reused by another process: afresh.
+                tot = self._totals[tid] = _Total(pid=acc.pid, start=acc.start)
+            elif not tot.start:
+                tot.start = acc.start
             tot.total_ns += acc.offcpu_ns
             tot.last_seq = seq
         self._forget(seq)
@@ -402,6 +436,8 @@ class Aggregator:
             long_blocks=tuple(long_blocks),
             blocked_now=tuple(sorted(blocked_now, key=lambda b: (-b.blocked_ns, b.tid))),
             stats=stats or CaptureStats(interval_s=interval_s),
+            notices=tuple(notices),
+            finished=finished,
         )
 
     def _forget(self, seq: int) -> None:

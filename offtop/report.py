@@ -70,6 +70,13 @@ def stats_to_json(s: CaptureStats) -> dict[str, Any]:
         "probe_cpu_pct": round(s.probe_cpu_pct, 3),
         "switches_per_s": round(s.switches_per_s, 1),
         "events_per_s": round(s.events_per_s, 1),
+        "flood_threshold_ns": s.flood_threshold_ns,
+        "symbol_deadline_misses": s.symbol_deadline_misses,
+        "symbol_errors": dict(s.symbol_errors),
+        "depth_limited_stacks": s.depth_limited_stacks,
+        "user_stacks_lost": s.user_stacks_lost,
+        "offtop_cpu_pct": round(s.offtop_cpu_pct, 2),
+        "offtop_rss_bytes": s.offtop_rss_bytes,
     }
 
 
@@ -80,6 +87,8 @@ def snapshot_to_json(snap: Snapshot) -> dict[str, Any]:
         "seq": snap.seq,
         "interval_s": round(snap.interval_s, 6),
         "threshold_ns": snap.threshold_ns,
+        "notices": list(snap.notices),
+        "finished": snap.finished,
         "stats": stats_to_json(snap.stats),
         "tasks": [
             {
@@ -137,6 +146,7 @@ def snapshot_to_json(snap: Snapshot) -> dict[str, Any]:
                 "cgroup_id": b.cgroup_id,
                 "kernel": _frames_json(b.kernel),
                 "user": _frames_json(b.user),
+                "user_modules": _modules_json(b.user),
             }
             for b in snap.long_blocks
         ],
@@ -149,6 +159,7 @@ def snapshot_to_json(snap: Snapshot) -> dict[str, Any]:
                 "blocked_ns": b.blocked_ns,
                 "kernel": _frames_json(b.kernel),
                 "user": _frames_json(b.user),
+                "user_modules": _modules_json(b.user),
             }
             for b in snap.blocked_now
         ],
@@ -186,6 +197,13 @@ def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
         probe_run_ns=int(st.get("probe_run_ns", 0)),
         probe_runs=int(st.get("probe_runs", 0)),
         interval_s=float(d.get("interval_s", 1.0)),
+        flood_threshold_ns=int(st.get("flood_threshold_ns", 0)),
+        symbol_deadline_misses=int(st.get("symbol_deadline_misses", 0)),
+        symbol_errors={str(k): int(v) for k, v in dict(st.get("symbol_errors", {})).items()},
+        depth_limited_stacks=int(st.get("depth_limited_stacks", 0)),
+        user_stacks_lost=int(st.get("user_stacks_lost", 0)),
+        offtop_cpu_pct=float(st.get("offtop_cpu_pct", 0.0)),
+        offtop_rss_bytes=int(st.get("offtop_rss_bytes", 0)),
     )
     return Snapshot(
         seq=int(d.get("seq", 0)),
@@ -245,7 +263,7 @@ def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
                 state=b["state"],
                 duration_ns=b["duration_ns"],
                 kernel=_frames(b["kernel"], True),
-                user=_frames(b["user"], False),
+                user=_frames(b["user"], False, b.get("user_modules", ())),
                 cgroup_id=b.get("cgroup_id", 0),
             )
             for b in d.get("long_blocks", ())
@@ -258,11 +276,13 @@ def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
                 state=b["state"],
                 blocked_ns=b["blocked_ns"],
                 kernel=_frames(b["kernel"], True),
-                user=_frames(b["user"], False),
+                user=_frames(b["user"], False, b.get("user_modules", ())),
             )
             for b in d.get("blocked_now", ())
         ),
         stats=stats,
+        notices=tuple(str(n) for n in d.get("notices", ())),
+        finished=str(d.get("finished", "")),
     )
 
 
@@ -320,10 +340,15 @@ def text_report(snap: Snapshot, *, top_tasks: int = 20, top_stacks: int = 5) -> 
     out = [
         f"offtop {when}  interval {snap.interval_s:.2f}s  threshold {format_ns(snap.threshold_ns)}"
         f"  events {st.events} (lost {st.lost})  stack errors {st.stack_errors_total}"
-        f"  probe {st.probe_ns_per_switch:.0f}ns/switch {st.switches_per_s:.0f} switches/s",
-        f"{'PID':>7} {'TID':>7} {'COMM':<16} {'OFF-CPU':>8} {'%INT':>6} {'S':>8} {'D':>8}"
-        f" {'COUNT':>7} {'MAX':>8} {'TOTAL':>8}",
+        f"  probe {st.probe_ns_per_switch:.0f}ns/switch {st.switches_per_s:.0f} switches/s"
+        f"  offtop {st.offtop_cpu_pct:.1f}% CPU {st.offtop_rss_bytes / 2**20:.0f} MB",
     ]
+    if st.flood_threshold_ns:
+        out.append(f"flood control: threshold raised to {format_ns(st.flood_threshold_ns)}"
+                   " in the kernel (shorter blocks are summed there, not listed one by one)")
+    out += [f"notice: {printable(n)}" for n in snap.notices]
+    out.append(f"{'PID':>7} {'TID':>7} {'COMM':<16} {'OFF-CPU':>8} {'%INT':>6} {'S':>8} {'D':>8}"
+               f" {'COUNT':>7} {'MAX':>8} {'TOTAL':>8}")
     for t in snap.tasks[:top_tasks]:
         out.append(
             f"{t.pid:>7} {t.tid:>7} {printable(t.comm[:16]):<16} {format_ns(t.offcpu_ns):>8}"

@@ -175,7 +175,7 @@ def engine() -> Iterator[Any]:
 
 
 def _prog_id(src: Any) -> int:
-    fd = src._prog_fd
+    fd = src.probe.prog_fd
     for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
         if line.startswith("prog_id:"):
             return int(line.split()[1])

@@ -218,7 +218,7 @@ def test_stack_map_saturation_is_counted_and_recovers(bpf_available: None, workl
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              start_new_session=True)
     try:
-        with engine(stack_entries=64, threshold_ns=10**9, kernel_stacks=False,
+        with engine(ustack_entries=64, threshold_ns=10**9, kernel_stacks=False,
                     pids=(pressure.pid, later.pid)) as src:
             hot = snapshots(src, 4)
             errs = hot[-1].stats.stack_errors
@@ -271,26 +271,26 @@ def test_process_churn_keeps_caches_bounded(bpf_available: None, workloads: Any)
     """2000 short-lived processes a second, all tasks traced, small cache limits."""
     from offtop.bpf.engine import BpfSource, EngineConfig
     from offtop.model import Aggregator
+    from offtop.symbols import UserSymbols
 
     workloads("churn", "2000")
-    src = BpfSource(EngineConfig(threshold_ns=10**9, stack_entries=1024))
-    src._agg = Aggregator(max_threads=4000)
+    agg = Aggregator(max_threads=4000)
+    # A small symbol cache: as if thousands of processes were alive at once.
+    usyms = UserSymbols(max_processes=64)
+    src = BpfSource(EngineConfig(threshold_ns=10**9, stack_entries=1024), aggregator=agg,
+                    user_symbols=usyms)
     src.start()
     try:
-        import offtop.symbols as symbols
-
-        assert isinstance(src._usyms, symbols.UserSymbols)
-        src._usyms._max = 64  # as if thousands of processes were alive at once
-        start_map = src._bpf["offcpu_start"]
+        assert src.stacks is not None
         seen: list[dict[str, int]] = []
         for s in snapshots(src, 12):
             seen.append({
                 "tasks": len(s.tasks),
-                "tracked": src._agg.tracked_threads,
-                "usyms": src._usyms.cached_processes,
-                "frames": len(src._stack_frames),
+                "tracked": agg.tracked_threads,
+                "usyms": usyms.cached_processes,
+                "frames": src.stacks.cached,
                 "stacks": s.stats.stacks_used,
-                "start": sum(1 for _ in start_map),
+                "start": sum(1 for _, _, slot in src.probe.thread_records() if slot < 0),
             })
     finally:
         src.close()
@@ -444,7 +444,8 @@ def test_pid_reuse_never_shows_the_old_process(bpf_available: None, workloads: A
         argv, comm, own = [str(link), "pipe", "20"], "wl-reborn", "offtop_wl_pipe_read"
     else:
         argv, comm, own = ["/bin/sh", "-c", "while :; do /bin/sleep 0.05; done"], "sh", None
-    with engine(threshold_ns=10**9, pids=(pid,)) as src:
+    # System-wide: with -p, a reused pid is not followed at all (see below).
+    with engine(threshold_ns=10**9) as src:
         before = snapshots(src, 2)
         assert any(st.user and st.user[0].name == "offtop_wl_sleep"
                    for st in rows_of(before, pid)), "the first process was not symbolized"
@@ -474,6 +475,40 @@ def test_pid_reuse_never_shows_the_old_process(bpf_available: None, workloads: A
             [[f.name for f in st.user] for st in rows]
     else:  # its own symbols resolve: libc's, where sh waits for its child
         assert any(not f.unknown and f.module.startswith("libc") for st in rows for f in st.user)
+
+
+@pytest.mark.bpf
+def test_a_watched_pid_that_exits_is_said_and_its_reuse_not_followed(
+        bpf_available: None, workloads: Any, workload_bin: Path) -> None:
+    """-p PID: the exit is a notice, the run finishes, a new process with that pid is not shown."""
+    old = workloads("sleep", "20")
+    pid = old.pid
+    with engine(threshold_ns=10**9, pids=(pid,)) as src:
+        before = snapshots(src, 2)
+        assert rows_of(before, pid), "the process was not seen"
+        old.stop()
+        new = _fork_with_pid(pid, [str(workload_bin), "sleep", "20"])
+        try:
+            assert new.stdout is not None and "ready" in new.stdout.readline()
+            stop = threading.Event()
+            after = []
+            for _ in range(4):
+                snap = src.next_snapshot(0.5, stop)
+                if snap is None:
+                    break
+                after.append(snap)
+        finally:
+            new.kill()
+            new.wait()
+    notices = [n for s in after for n in s.notices]
+    assert notices == [f"pid {pid} exited (its id now names another process: not followed)"] \
+        or notices == [f"pid {pid} exited"], notices
+    assert after[-1].finished.startswith("nothing left to watch"), after[-1]
+    assert len(after) < 4, "the source kept going with nothing left to watch"
+    # Whatever came after the exit was noticed belongs to no one: not the new process.
+    noticed = next(i for i, s in enumerate(after) if s.notices)
+    assert not [b for s in after[noticed:] for b in s.blocked_now if b.pid == pid]
+    assert not rows_of(after[noticed + 1:], pid)
 
 
 # --- binaries deleted or replaced ------------------------------------------------------

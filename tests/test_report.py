@@ -75,3 +75,27 @@ def test_hostile_names_are_escaped_in_text_and_folded_and_exact_in_json() -> Non
     assert d["tasks"][0]["comm"] == d["stacks"][0]["comm"] == comm
     assert d["stacks"][0]["user"] == [evil_u[0].name, "main\n"]
     assert d["blocked_now"][0]["comm"] == d["long_blocks"][0]["comm"] == comm
+
+
+def test_json_round_trip_keeps_user_modules_notices_and_new_stats() -> None:
+    """Long blocks and blocked-now keep their user frames' modules; notices survive."""
+    from offtop.model import BlockedNow, CaptureStats, Frame, LongBlock, Snapshot
+    from offtop.report import snapshot_from_json, snapshot_to_json
+
+    user = (Frame("read_loop", "app"), Frame("main", "app"))
+    snap = Snapshot(
+        seq=3, time=1000.0, interval_s=1.0, threshold_ns=5,
+        long_blocks=(LongBlock(time=1000.5, pid=1, tid=2, comm="x", state="S",
+                               duration_ns=9, user=user),),
+        blocked_now=(BlockedNow(pid=1, tid=2, comm="x", state="D", blocked_ns=7, user=user),),
+        stats=CaptureStats(flood_threshold_ns=2_000_000, offtop_cpu_pct=1.5,
+                           offtop_rss_bytes=80 << 20, symbol_errors={"bad ELF": 2}),
+        notices=("pid 1 exited",), finished="nothing left to watch: pid 1 exited",
+    )
+    back = snapshot_from_json(snapshot_to_json(snap))
+    assert [f.module for f in back.long_blocks[0].user] == ["app", "app"]
+    assert [f.module for f in back.blocked_now[0].user] == ["app", "app"]
+    assert back.notices == snap.notices and back.finished == snap.finished
+    assert back.stats.flood_threshold_ns == 2_000_000
+    assert back.stats.symbol_errors == {"bad ELF": 2}
+    assert back.stats.offtop_rss_bytes == 80 << 20

@@ -41,7 +41,7 @@ def test_cflags_are_integers_only() -> None:
         assert not any(HOSTILE in f or "system" in f for f in flags)
 
 
-@pytest.mark.parametrize("field", ["stack_entries", "start_entries", "agg_entries",
+@pytest.mark.parametrize("field", ["stack_entries", "ustack_entries", "start_entries", "agg_entries",
                                    "kstack_depth", "ustack_depth"])
 @pytest.mark.parametrize("bad", ["64", "64); system(\"id\"", 1.5, True, -1, 1 << 40, None],
                          ids=["str", "injection", "float", "bool", "negative", "huge", "none"])

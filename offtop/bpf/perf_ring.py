@@ -15,15 +15,15 @@ what lets Python take in several hundred thousand events per second.
 from __future__ import annotations
 
 import ctypes as ct
-import ctypes.util
 import mmap
 import os
-import platform
 import select
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from offtop.bpf import syscalls
 
 PERF_TYPE_SOFTWARE = 1
 PERF_COUNT_SW_BPF_OUTPUT = 10
@@ -43,9 +43,6 @@ _U32 = struct.Struct("<I")
 # perf_event_mmap_page: data_head at 1024, data_tail at 1032.
 _DATA_HEAD = 1024
 _DATA_TAIL = 1032
-
-_SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241, "riscv64": 241, "s390x": 331,
-                        "ppc64le": 319}
 
 
 class PerfEventAttr(ct.Structure):
@@ -126,10 +123,7 @@ class PerfRing:
     ) -> None:
         if pages <= 0 or pages & (pages - 1):
             raise ValueError("pages must be a power of two")
-        nr = _SYS_PERF_EVENT_OPEN.get(platform.machine())
-        if nr is None:
-            raise OSError(f"perf_event_open syscall number unknown on {platform.machine()}")
-        self._libc = ct.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        self._libc = syscalls.libc()
         self._rings: list[_Ring] = []
         self._epoll = select.epoll()
         self.lost = 0
@@ -144,10 +138,9 @@ class PerfRing:
                 attr.sample_type = PERF_SAMPLE_RAW
                 attr.flags = _ATTR_DISABLED
                 attr.wakeup_events = max(1, wakeup_events)
-                fd = self._libc.syscall(nr, ct.byref(attr), -1, cpu, -1, PERF_FLAG_FD_CLOEXEC)
+                fd = syscalls.perf_event_open(attr, -1, cpu, -1, PERF_FLAG_FD_CLOEXEC)
                 if fd < 0:
-                    err = ct.get_errno()
-                    raise OSError(err, f"perf_event_open(cpu {cpu}): {os.strerror(err)}")
+                    raise OSError(-fd, f"perf_event_open(cpu {cpu}): {os.strerror(-fd)}")
                 try:
                     mm = mmap.mmap(fd, page * (pages + 1), mmap.MAP_SHARED,
                                    mmap.PROT_READ | mmap.PROT_WRITE)

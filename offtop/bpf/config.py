@@ -1,0 +1,82 @@
+"""What is fixed for a run of the probe, validated before anything is compiled."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from offtop.bpf.decode import DEFAULT_STATES, state_mask
+
+
+class EngineError(RuntimeError):
+    """The engine could not start; the message is one line for users."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything fixed for a run; only the threshold changes while running."""
+
+    threshold_ns: int = 500_000_000
+    states: str = DEFAULT_STATES
+    kthreads: bool = False
+    user_stacks: bool = True
+    kernel_stacks: bool = True
+    pids: tuple[int, ...] = ()
+    tids: tuple[int, ...] = ()
+    cgroup: str | None = None
+    stack_entries: int = 16_384
+    #: User stacks get a map of their own size: there are more distinct ones
+    #: (20,000 on a busy server), and each entry is ~1 KB of kernel memory.
+    ustack_entries: int = 32_768
+    start_entries: int = 65_536
+    agg_entries: int = 65_536
+    kstack_depth: int = 48
+    ustack_depth: int = 127
+    perf_pages: int = 256
+    wakeup_events: int = 64
+    subtick_s: float = 0.25
+    first_interval_s: float = 0.5
+    # BPF run-time stats cost every program on the machine two clock reads per
+    # run (measured: +68 ns per context switch), so they are on only for
+    # stats_window_s in the middle of each interval and scaled (0: always on).
+    stats_window_s: float = 0.1
+    blocked_min_ns: int = 5_000_000
+    blocked_max: int = 200
+    long_blocks_max: int = 1_000
+    #: Flood control: above this many long-block events a second, the
+    #: threshold in the kernel is raised (the blocks are summed there
+    #: instead) until the flood passes. 0: never.
+    event_budget_per_s: int = 100_000
+    #: Symbolizing may take at most this share of each sub-tick.
+    symbol_budget_s: float = 0.05
+    exclude_self: bool = True
+    scope: str = field(default="", compare=False)
+
+    def cflags(self) -> list[str]:
+        """The -D flags for offcpu.c: validated integers only, never user text."""
+        ints = {
+            "OFFTOP_STATE_MASK": state_mask(self.states),
+            "OFFTOP_KTHREADS": int(self.kthreads),
+            "OFFTOP_USER_STACKS": int(self.user_stacks),
+            "OFFTOP_KERNEL_STACKS": int(self.kernel_stacks),
+            "OFFTOP_FILTER_PID": int(bool(self.pids or self.tids)),
+            "OFFTOP_FILTER_TID": int(bool(self.pids or self.tids)),
+            "OFFTOP_FILTER_CGROUP": int(self.cgroup is not None),
+            "OFFTOP_SELF_TGID": os.getpid() if self.exclude_self else 0,
+            "OFFTOP_STACK_ENTRIES": self.stack_entries,
+            "OFFTOP_USTACK_ENTRIES": self.ustack_entries,
+            "OFFTOP_SLOTS": self.start_entries,
+            "OFFTOP_AGG_ENTRIES": self.agg_entries,
+            "OFFTOP_KSTACK_DEPTH": self.kstack_depth,
+            "OFFTOP_USTACK_DEPTH": self.ustack_depth,
+        }
+        for name, v in ints.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 1 << 24:
+                raise ValueError(f"{name}={v!r} is not a valid setting")
+        return [f"-D{k}={v}" for k, v in ints.items()]
+
+    @property
+    def stack_mode(self) -> str:
+        """A short label: kernel+user, kernel, user or none."""
+        parts = [n for n, on in (("kernel", self.kernel_stacks), ("user", self.user_stacks)) if on]
+        return "+".join(parts) or "no stacks"

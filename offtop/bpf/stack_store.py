@@ -1,0 +1,186 @@
+"""Stack ids from the probe's maps, turned into frames once and freed before the maps fill.
+
+The program stores each distinct stack once and hands out an id; records
+carry the id (or a negative errno when no stack could be kept). This store
+reads a stack the first time its id is seen, symbolizes it, caches the
+frames, and deletes ids nothing has referenced for a while: the kernel
+never frees a stack id, and a full map silently turns every new stack into
+-ENOMEM.
+
+Ids are reused by the program once deleted, so cached frames go with them.
+User frames are cached per (id, pid, process start time): the addresses
+mean something only in their own process, and a pid reused by another
+process must not find the old process's names.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from offtop.model import MARK_DEPTH_LIMIT, MARK_USER_STACK_LOST, Frame
+from offtop.symbols import KernelSymbols, UserSymbols
+
+ENOMEM, EEXIST, EFAULT = 12, 17, 14
+
+_USER_LOST = (Frame(name=MARK_USER_STACK_LOST),)
+
+
+class StackMaps(Protocol):
+    """Where stacks are read from (`offtop.bpf.probe.Probe`, or a fake in tests)."""
+
+    def stack(self, kind: str, sid: int) -> tuple[int, ...] | None:
+        """Addresses of stack `sid` of kind 'k' or 'u', innermost first; None if absent."""
+        ...
+
+    def stack_ids(self, kind: str) -> Iterable[int]:
+        """Every id in use."""
+        ...
+
+    def delete_stack(self, kind: str, sid: int) -> None:
+        """Free an id."""
+        ...
+
+
+@dataclass(slots=True)
+class StackStats:
+    """What the store did (cumulative), for the capture's health line."""
+
+    reclaimed: int = 0
+    truncated: int = 0
+    depth_limited: int = 0
+    user_lost: int = 0
+    symbol_deadline_misses: int = 0
+
+
+class StackStore:
+    """Frames of stack ids, cached; ids freed when unused (see module docstring)."""
+
+    def __init__(
+        self,
+        maps: StackMaps,
+        *,
+        kernel_symbols: KernelSymbols | None,
+        user_symbols: UserSymbols | None,
+        capacity: Mapping[str, int],
+        kernel_depth: int,
+        user_depth: int,
+        max_cached: int = 200_000,
+    ) -> None:
+        self._maps = maps
+        self.kernel_symbols = kernel_symbols
+        self.user_symbols = user_symbols
+        self._capacity = dict(capacity)
+        self._kdepth = kernel_depth
+        self._udepth = user_depth
+        self._max_cached = max_cached
+        self._last_use: dict[tuple[str, int], int] = {}
+        self._frames: dict[tuple[str, int, int, int], tuple[Frame, ...]] = {}
+        self._seq = 0
+        self.stats = StackStats()
+
+    @property
+    def cached(self) -> int:
+        """Stacks whose frames are cached."""
+        return len(self._frames)
+
+    @property
+    def used(self) -> int:
+        """Stack ids known to be in use."""
+        return len(self._last_use)
+
+    def next_interval(self, seq: int) -> None:
+        """Stamp later uses with interval `seq` (for reclaiming)."""
+        self._seq = seq
+
+    def kernel(self, sid: int) -> tuple[Frame, ...]:
+        """The kernel frames of id `sid` (() for none)."""
+        if sid < 0 or self.kernel_symbols is None:
+            return ()
+        self._last_use[("k", sid)] = self._seq
+        key = ("k", sid, 0, 0)
+        frames = self._frames.get(key)
+        if frames is None:
+            addrs = self._maps.stack("k", sid)
+            frames = self.kernel_symbols.resolve_stack(addrs) if addrs else ()
+            if addrs and len(addrs) >= self._kdepth:
+                frames = (*frames, Frame(name=MARK_DEPTH_LIMIT, kernel=True))
+                self.stats.depth_limited += 1
+            self._frames[key] = frames
+        return frames
+
+    def user(self, pid: int, start: int, sid: int, *, deadline: float | None = None) -> tuple[Frame, ...]:
+        """The user frames of id `sid` in process `pid` (started at `start`).
+
+        A negative id is the errno of a stack that could not be kept: EFAULT
+        means there was no user stack (a kernel-like thread) and gives ();
+        any other cause gives the `[user stack lost]` mark.
+        """
+        if self.user_symbols is None:
+            return ()
+        if sid < 0:
+            if sid == -EFAULT:
+                return ()
+            self.stats.user_lost += 1
+            return _USER_LOST
+        self._last_use[("u", sid)] = self._seq
+        key = ("u", sid, pid, start)
+        frames = self._frames.get(key)
+        if frames is not None:
+            return frames
+        addrs = self._maps.stack("u", sid)
+        if not addrs:
+            return ()
+        if deadline is not None and time.monotonic() > deadline:
+            self.stats.symbol_deadline_misses += 1
+        frames = self.user_symbols.resolve_stack(pid, addrs, deadline=deadline)
+        complete = not any(f.unknown for f in frames)
+        if frames and frames[-1].unknown:
+            self.stats.truncated += 1
+        if len(addrs) >= self._udepth:
+            frames = (*frames, Frame(name=MARK_DEPTH_LIMIT))
+            self.stats.depth_limited += 1
+        if complete:  # a miss may resolve later (a library not read yet, a time budget)
+            self._frames[key] = frames
+        return frames
+
+    def reclaim(self, live: set[tuple[str, int]]) -> None:
+        """Free ids unused for a few intervals and not held by a task asleep now.
+
+        Runs once the maps are half full (and every 30 intervals counts what
+        the maps hold, so ids never seen by this store are reclaimed too).
+        """
+        seq = self._seq
+        if not self._half_full() and seq % 30:
+            return
+        if seq % 30 == 0:
+            for kind in ("k", "u"):
+                for sid in self._maps.stack_ids(kind):
+                    self._last_use.setdefault((kind, sid), seq)
+        full = self._half_full()
+        if not full:
+            return
+        horizon = seq - 2
+        victims = [k for k, seen in self._last_use.items()
+                   if k[0] in full and seen < horizon and k not in live]
+        for kind, sid in victims:
+            self._maps.delete_stack(kind, sid)
+            del self._last_use[(kind, sid)]
+        if victims:
+            gone = set(victims)
+            self._frames = {k: v for k, v in self._frames.items() if (k[0], k[1]) not in gone}
+            self.stats.reclaimed += len(victims)
+
+    def _half_full(self) -> set[str]:
+        """The kinds whose map is at least half full."""
+        used = {"k": 0, "u": 0}
+        for kind, _ in self._last_use:
+            used[kind] += 1
+        return {k for k, n in used.items() if n >= self._capacity.get(k, 0) // 2}
+
+    def trim(self) -> None:
+        """Bound the frame cache (called once per interval)."""
+        if len(self._frames) > self._max_cached:
+            self._frames.clear()

@@ -1,0 +1,113 @@
+"""What offtop was asked to watch (-p, -t, -c), and noticing when it goes away.
+
+A process or thread is its id *and* its start time: once it exits, its id
+may name another task, which offtop must not follow silently. A cgroup is
+its directory and that directory's inode (the cgroup id): a cgroup removed
+and made again under the same name is another cgroup. Each loss is said
+once, as a notice; when nothing is left, the run is over.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+def task_start_time(tid: int, proc: str = "/proc") -> int | None:
+    """The start time of a process or thread (clock ticks since boot), None if gone."""
+    try:
+        with open(f"{proc}/{tid}/stat", "rb") as f:
+            data = f.read(4096)
+    except OSError:
+        return None
+    # comm may hold spaces and ')': the fields start after the last ')'.
+    rest = data[data.rfind(b")") + 2:].split()
+    try:
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def cgroup_inode(path: str) -> int | None:
+    """The inode of a cgroup v2 directory (its cgroup id), None if gone."""
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+@dataclass(slots=True)
+class _Watched:
+    kind: str  # "pid", "tid" or "cgroup"
+    ident: int | str
+    identity: int | None  # start time, or inode
+    gone: bool = False
+
+
+class TargetWatch:
+    """The -p/-t/-c targets of a run, checked for exits and reuse."""
+
+    def __init__(
+        self,
+        pids: tuple[int, ...] = (),
+        tids: tuple[int, ...] = (),
+        cgroup: str | None = None,
+        *,
+        start_time: Callable[[int], int | None] = task_start_time,
+        inode: Callable[[str], int | None] = cgroup_inode,
+    ) -> None:
+        self._start_time = start_time
+        self._inode = inode
+        self._watched = [_Watched("pid", p, start_time(p)) for p in pids]
+        self._watched += [_Watched("tid", t, start_time(t)) for t in tids]
+        if cgroup is not None:
+            self._watched.append(_Watched("cgroup", cgroup, inode(cgroup)))
+        for w in self._watched:
+            w.gone = w.identity is None
+        self.gone_pids: set[int] = set()
+        self.gone_tids: set[int] = set()
+
+    @property
+    def configured(self) -> bool:
+        """True when the run watches chosen targets rather than every task."""
+        return bool(self._watched)
+
+    @property
+    def anything_left(self) -> bool:
+        """False once every chosen target is gone (always True without targets)."""
+        return not self._watched or any(not w.gone for w in self._watched)
+
+    def check(self) -> list[str]:
+        """Look again; return a notice for each target found gone since the last check."""
+        lost: list[str] = []
+        for w in self._watched:
+            if w.gone:
+                continue
+            now = self._inode(str(w.ident)) if w.kind == "cgroup" else \
+                self._start_time(int(w.ident))
+            if now != w.identity:
+                w.gone = True
+                lost.append(gone_notice(w.kind, w.ident, reused=now is not None))
+                if w.kind == "pid":
+                    self.gone_pids.add(int(w.ident))
+                elif w.kind == "tid":
+                    self.gone_tids.add(int(w.ident))
+        return lost
+
+    def accepts(self, pid: int, tid: int) -> bool:
+        """False for a record of a target that is gone (its id may name another task now)."""
+        return pid not in self.gone_pids and tid not in self.gone_tids
+
+    def initially_gone(self) -> list[str]:
+        """Notices for targets already gone when watching began."""
+        return [gone_notice(w.kind, w.ident) for w in self._watched if w.identity is None]
+
+
+def gone_notice(kind: str, ident: int | str, *, reused: bool = False) -> str:
+    """How a lost target is said: `pid 123 exited`, `cgroup /sys/fs/cgroup/x was removed`."""
+    if kind == "cgroup":
+        return f"cgroup {ident} was removed"
+    what = "process" if kind == "pid" else "thread"
+    return f"{kind} {ident} exited" + (f" (its id now names another {what}: not followed)"
+                                        if reused else "")
