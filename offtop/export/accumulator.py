@@ -27,8 +27,21 @@ NO_STACK = Frame(name="[no stack]")
 #: The frame standing for the stacks folded away to keep memory bounded.
 OTHER_STACKS = Frame(name="[other stacks]")
 
-#: (pid, tid, state, kernel frames, user frames): one exported sample.
-StackKey = tuple[int, int, str, tuple[Frame, ...], tuple[Frame, ...]]
+#: (pid, tid, state, kernel chain, user chain): one exported sample. The
+#: chains are strings (see `ProfileAccumulator._chain`): hashing a tuple of
+#: `Frame`s calls a Python `__hash__` per frame, ten times slower.
+StackKey = tuple[int, int, str, str, str]
+
+
+@dataclass(slots=True)
+class _Total:
+    """The running total of one key (private to the accumulator)."""
+
+    ns: int
+    count: int
+    max_ns: int
+    kernel: tuple[Frame, ...]
+    user: tuple[Frame, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +156,11 @@ class ProfileAccumulator:
         self._max_long_blocks = max_long_blocks
         self._max_threads = max_threads
         self._cgroup_name = cgroup_name
-        # key -> [offcpu_ns, count, max_ns]; comm kept apart (a thread may exec).
-        self._totals: dict[StackKey, list[int]] = {}
+        # The comm is kept apart, per thread: a thread may exec.
+        self._totals: dict[StackKey, _Total] = {}
+        # id(frames tuple) -> (the tuple, its chain string): snapshots of a
+        # live capture share their frame tuples from interval to interval.
+        self._chains: dict[int, tuple[tuple[Frame, ...], str]] = {}
         self._comms: dict[int, str] = {}
         self._cgroups: dict[int, int] = {}
         self._other: dict[str, list[int]] = {}
@@ -190,16 +206,17 @@ class ProfileAccumulator:
         self._end = end if self._end is None else max(self._end, end)
         totals = self._totals
         comms = self._comms
+        chain = self._chain
         for s in stacks:
-            key = (s.pid, s.tid, s.state, s.kernel, s.user)
+            key = (s.pid, s.tid, s.state, chain(s.kernel), chain(s.user))
             cur = totals.get(key)
             if cur is None:
-                totals[key] = [s.offcpu_ns, s.count, s.max_ns]
+                totals[key] = _Total(s.offcpu_ns, s.count, s.max_ns, s.kernel, s.user)
             else:
-                cur[0] += s.offcpu_ns
-                cur[1] += s.count
-                if s.max_ns > cur[2]:
-                    cur[2] = s.max_ns
+                cur.ns += s.offcpu_ns
+                cur.count += s.count
+                if s.max_ns > cur.max_ns:
+                    cur.max_ns = s.max_ns
             if s.comm:
                 comms[s.tid] = s.comm
         for b in long_blocks:
@@ -215,6 +232,23 @@ class ProfileAccumulator:
             self._fold_smallest()
         self._bound_threads()
 
+    def _chain(self, frames: tuple[Frame, ...]) -> str:
+        """A string naming a chain of frames: their names, then their modules.
+
+        Names and modules are NUL-free (C strings from ELF, kallsyms and
+        perf maps), so NUL separates them; a name made to contain one could
+        only merge two stacks of the same thread.
+        """
+        hit = self._chains.get(id(frames))
+        if hit is not None and hit[0] is frames:
+            return hit[1]
+        text = "\0".join([f.name for f in frames]) + "\0\0" + "\0".join(
+            [f.module if not f.kernel else "\1" + f.module for f in frames])
+        if len(self._chains) > 4 * self._max_stacks + 1024:
+            self._chains.clear()
+        self._chains[id(frames)] = (frames, text)
+        return text
+
     def _fold_smallest(self) -> None:
         """Fold the smallest quarter of the keys into `[other stacks]` per state.
 
@@ -223,15 +257,15 @@ class ProfileAccumulator:
         """
         keep = self._max_stacks * 3 // 4
         drop = heapq.nsmallest(len(self._totals) - keep, self._totals.items(),
-                               key=lambda kv: kv[1][0])
-        for key, (ns, count, max_ns) in drop:
+                               key=lambda kv: kv[1].ns)
+        for key, t in drop:
             del self._totals[key]
             other = self._other.setdefault(key[2], [0, 0, 0])
-            other[0] += ns
-            other[1] += count
-            other[2] = max(other[2], max_ns)
+            other[0] += t.ns
+            other[1] += t.count
+            other[2] = max(other[2], t.max_ns)
             self.folded_stacks += 1
-            self.folded_ns += ns
+            self.folded_ns += t.ns
         live = {k[1] for k in self._totals}
         for tid in [t for t in self._comms if t not in live]:
             del self._comms[tid]
@@ -257,8 +291,8 @@ class ProfileAccumulator:
         names: dict[int, str] = {}
         rows = [
             StackTotal(pid=k[0], tid=k[1], comm=self._comms.get(k[1], ""), state=k[2],
-                       offcpu_ns=v[0], count=v[1], max_ns=v[2], kernel=k[3], user=k[4],
-                       cgroup=self._cgroup_label(k[1], names))
+                       offcpu_ns=v.ns, count=v.count, max_ns=v.max_ns, kernel=v.kernel,
+                       user=v.user, cgroup=self._cgroup_label(k[1], names))
             for k, v in self._totals.items()
         ]
         rows += [
