@@ -312,6 +312,19 @@ def test_lazy_table_agrees_with_the_full_table(path: str) -> None:
     assert lazy.rule_at(0) is None and not lazy.errors
 
 
+def test_file_without_section_headers_is_found_through_pt_gnu_eh_frame(tmp_path: Path) -> None:
+    data = bytearray(Path("/usr/bin/sleep").read_bytes())
+    struct.pack_into("<Q", data, 0x28, 0)  # e_shoff
+    struct.pack_into("<HH", data, 0x3C, 0, 0)  # e_shnum, e_shstrndx
+    bare = tmp_path / "bare"
+    bare.write_bytes(bytes(data))
+    orig = build_table("/usr/bin/sleep")
+    for table in (build_table(str(bare)), load_table(str(bare))):
+        assert table.stats.hdr_fdes == orig.stats.hdr_fdes
+        for pc, rule in orig.rows():
+            assert table.rule_at(pc) == rule, hex(pc)
+
+
 def _mutated_copies(src: str, tmp: Path, count: int, seed: int) -> Iterator[Path]:
     data = Path(src).read_bytes()
     out = subprocess.run(["readelf", "-SW", src], capture_output=True, text=True).stdout

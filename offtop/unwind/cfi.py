@@ -182,7 +182,7 @@ class Fde:
     program: bytes
 
 
-def parse_cie(data: bytes, pos: int, end: int, bases: Bases, *, eh: bool) -> Cie:
+def parse_cie(data: bytes, pos: int, end: int, bases: Bases) -> Cie:
     """The CIE whose body (after the CIE id) runs from `pos` to `end`."""
     version = data[pos]
     pos += 1
@@ -193,7 +193,7 @@ def parse_cie(data: bytes, pos: int, end: int, bases: Bases, *, eh: bool) -> Cie
         raise CfiError("CIE augmentation string not terminated")
     aug = data[pos:nul].decode("ascii", "replace")
     pos = nul + 1
-    if aug and aug[0] != "z" and aug not in ("S",):
+    if aug and aug[0] != "z" and aug != "S":
         # "eh" (pre-2000 GCC) and vendor strings change the layout: unusable.
         raise CfiError(f"augmentation {aug!r}")
     if version == 4:
@@ -230,8 +230,10 @@ def parse_cie(data: bytes, pos: int, end: int, bases: Bases, *, eh: bool) -> Cie
                 signal = True
             elif ch == "B":
                 pass  # AArch64 BTI marker: no data
+            elif "R" in aug[aug.index(ch):]:
+                raise CfiError(f"augmentation {aug!r}: unknown data before the FDE encoding")
             else:
-                break  # unknown: the length lets us skip the rest
+                break  # unknown, and nothing we need after it: the length skips the rest
         pos = aug_end
     elif aug == "S":
         signal = True
@@ -308,7 +310,7 @@ def iter_entries(data: bytes, bases: Bases, *, eh: bool, limits: CfiLimits,
             if e.is_cie:
                 stats.cies += 1
                 if e.start not in cies:
-                    cies[e.start] = parse_cie(data, e.body, e.end, bases, eh=eh)
+                    cies[e.start] = parse_cie(data, e.body, e.end, bases)
             else:
                 fde = _parse_fde(data, e.body, e.end, e.cie_at, cies, bases, eh=eh)
                 if fde is None:
@@ -384,7 +386,7 @@ def _parse_cie_at(data: bytes, at: int, bases: Bases, *, eh: bool) -> Cie | None
     cie_id = _U32(data, at + 4)[0]
     if cie_id != (0 if eh else 0xFFFFFFFF):
         raise CfiError("CIE pointer to an FDE")
-    return parse_cie(data, at + 8, end, bases, eh=eh)
+    return parse_cie(data, at + 8, end, bases)
 
 
 # --- the CFA program interpreter ---------------------------------------------
