@@ -202,7 +202,7 @@ def debug_offsets_layout(raw: bytes) -> Layout:
     fields = {k: v for k, v in values.items() if not k.endswith((".size", "version", "threaded"))}
     if any(v > _MAX_FIELD_OFFSET for v in fields.values()):
         raise LayoutError("debug offsets out of range")
-    frame_fields = ("frame.previous", "frame.executable", "frame.instr_ptr", "frame.owner")
+    frame_fields = ("frame.previous", "frame.executable", "frame.instr_ptr")
     code_fields = ("code.filename", "code.name", "code.qualname", "code.linetable", "code.firstlineno")
     return replace(
         _V313,
@@ -219,7 +219,8 @@ def debug_offsets_layout(raw: bytes) -> Layout:
         frame_code=values["frame.executable"],
         frame_instr=values["frame.instr_ptr"],
         frame_owner=values["frame.owner"],
-        frame_read=max(values[f] for f in frame_fields) + 8,
+        # Pointers end 8 bytes in, `owner` (a char) 1 byte in; rounded up to 8.
+        frame_read=(max(*(values[f] + 8 for f in frame_fields), values["frame.owner"] + 1) + 7) // 8 * 8,
         code_filename=values["code.filename"],
         code_name=values["code.name"],
         code_qualname=values["code.qualname"],

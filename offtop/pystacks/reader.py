@@ -97,34 +97,47 @@ class ProcessReader:
 
     # -- thread list ---------------------------------------------------------
 
-    def _interpreters(self) -> list[tuple[int, int, _Gil]]:
-        """(interpreter, its first thread state, its GIL) of each interpreter."""
+    def _interpreters(self) -> tuple[list[tuple[int, int, _Gil]], bool]:
+        """(interpreter, its first thread state, its GIL) of each interpreter, and whether the list broke.
+
+        A list that breaks after good entries (a loop, an unreadable next)
+        gives those; one whose head is already bad raises Inconsistent.
+        """
         lay = self.layout
-        out = []
+        out: list[tuple[int, int, _Gil]] = []
         interp = self.mem.read_u64(self.runtime + lay.runtime_interpreters_head)
         seen: set[int] = set()
         while interp:
-            if not plausible_pointer(interp) or interp in seen or len(seen) >= MAX_INTERPRETERS:
-                raise Inconsistent(f"interpreter pointer {interp:#x}")
-            seen.add(interp)
-            ranges = [(interp + lay.interp_next, 8), (interp + lay.interp_threads_head, 8)]
-            if lay.interp_gil_ptr is not None:
-                ranges.append((interp + lay.interp_gil_ptr, 8))
-            got = self.mem.read_many(ranges)
-            if any(g is None for g in got):
-                raise Inconsistent(f"interpreter at {interp:#x} unreadable")
+            try:
+                if not plausible_pointer(interp) or interp in seen or len(seen) >= MAX_INTERPRETERS:
+                    raise Inconsistent(f"interpreter pointer {interp:#x}")
+                seen.add(interp)
+                ranges = [(interp + lay.interp_next, 8), (interp + lay.interp_threads_head, 8)]
+                if lay.interp_gil_ptr is not None:
+                    ranges.append((interp + lay.interp_gil_ptr, 8))
+                got = self.mem.read_many(ranges)
+                if any(g is None for g in got):
+                    raise Inconsistent(f"interpreter at {interp:#x} unreadable")
+            except Inconsistent:
+                if not out:
+                    raise
+                return out, True
             words = [u64(g, 0) for g in got if g is not None]
-            gil = words[2] if lay.interp_gil_ptr is not None else self.runtime + (lay.runtime_gil or 0)
-            holder, locked = 0, 0
-            if plausible_pointer(gil):
-                try:
-                    raw = self.mem.read(gil, lay.gil_locked + 4)
-                    holder, locked = u64(raw, lay.gil_last_holder), i32(raw, lay.gil_locked)
-                except ReadError:
-                    pass
-            out.append((interp, words[1], _Gil(gil, lay.gil_size, bool(locked), holder)))
+            out.append((interp, words[1], self._gil(words[2] if lay.interp_gil_ptr is not None
+                                                    else self.runtime + (lay.runtime_gil or 0))))
             interp = words[0]
-        return out
+        return out, False
+
+    def _gil(self, addr: int) -> _Gil:
+        """The GIL at `addr`: taken or not, and by which thread state (free if unreadable)."""
+        lay = self.layout
+        if plausible_pointer(addr):
+            try:
+                raw = self.mem.read(addr, lay.gil_locked + 4)
+                return _Gil(addr, lay.gil_size, i32(raw, lay.gil_locked) > 0, u64(raw, lay.gil_last_holder))
+            except ReadError:
+                pass
+        return _Gil(0, 0, False, 0)
 
     def _task_ids(self) -> set[int]:
         try:
@@ -166,9 +179,10 @@ class ProcessReader:
         tasks = self._task_ids()
         rows: list[tuple[int, int, int, _Gil]] = []
         seen: set[int] = set()
-        problem: str | None = None
+        interpreters, broken = self._interpreters()
+        problem = INCONSISTENT if broken else None
         try:
-            for interp, head, gil in self._interpreters():
+            for interp, head, gil in interpreters:
                 ts = head
                 while ts:
                     if not plausible_pointer(ts) or ts in seen or len(seen) >= self.max_threads:
