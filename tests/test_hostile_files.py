@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import stat
 import struct
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from offtop.demangle import demangle
 from offtop.elf import BAD_ELF, TIME_BUDGET, ElfCache, load_elf, load_steps
 from offtop.safe_files import NOT_REGULAR, UNREADABLE, WRONG_OWNER, FileRefused, open_regular
 from offtop.symbols import (
@@ -504,3 +506,42 @@ def test_open_regular_refuses_without_opening(tmp_path: Path) -> None:
         flags = int(re.search(r"flags:\s+(\d+)", Path(f"/proc/self/fdinfo/{f.fd}").read_text())
                     .group(1), 8)  # type: ignore[union-attr]
         assert flags & os.O_NONBLOCK and flags & os.O_CLOEXEC and flags & 3 == os.O_RDONLY
+
+
+# --- mutations -----------------------------------------------------------------------
+
+
+def test_mutated_elf_files_never_raise(tmp_path: Path) -> None:
+    """800 seeded mutations of a good file, aimed at its headers and tables."""
+    rng = random.Random(8)
+    good = elf_bytes(symtab_size=48)
+    hot = [(0, 64), (64, 120), (0x1800, 0x1830), (0x1900, 0x1910), (0x1A00, 0x1B00)]
+    path = tmp_path / "m.so"
+    with bounded(seconds=10):
+        for _ in range(800):
+            data = bytearray(good)
+            for _ in range(rng.randint(1, 16)):
+                lo, hi = rng.choice(hot)
+                data[rng.randrange(lo, hi)] = rng.randrange(256)
+            path.write_bytes(data)
+            syms = ElfCache().get(str(path))  # a cause, or a table that answers lookups
+            if not isinstance(syms, str):
+                for vaddr in (BASE + TEXT_OFF, 0, (1 << 64) - 1):
+                    syms.lookup(vaddr)
+
+
+def test_mutated_mangled_names_never_raise() -> None:
+    rng = random.Random(13)
+    seeds = ["_RNvNtNtCsjrHSEGnQ3l9_3std6thread9functions5sleep",
+             "_RINvMNtCsgEmfK2I1SDS_4core3stre18trim_start_matchesReECsgY6Mt91CT9J_14rustc_demangle",
+             "_RMC0TTTTTTpB8_EB7_EB6_EB5_EB4_EB3_E",
+             "_RIC0KVNtC3foo3BarS1sRe616263_2chc78_5sliceRAh1_h2_h3_EEE",
+             "_ZN44_$LT$m..Dog$LT$T$GT$$u20$as$u20$m..Speak$GT$5speak17h76cdd42951cdc6b6E"]
+    alphabet = "_RNCMXYIBKLGTAPOQSDFEUWpuvsjhabcdefgimnoxyzt0123456789$."
+    with bounded(seconds=10):
+        for _ in range(5000):
+            name = list(rng.choice(seeds))
+            for _ in range(rng.randint(1, 6)):
+                i = rng.randrange(2, len(name))
+                name[i:i + rng.randint(0, 1)] = rng.choice(alphabet) * rng.randint(0, 2)
+            assert isinstance(demangle("".join(name)), str)
