@@ -8,6 +8,7 @@ here, independently of offtop's encoder, and then ask `go tool pprof`.
 
 from __future__ import annotations
 
+import dataclasses
 import email.parser
 import email.policy
 import gzip
@@ -115,6 +116,25 @@ def test_accumulator_sums_a_run_per_thread_state_and_stack() -> None:
     assert by_key[(101, "S")].cgroup == "/app/sleeper"
     assert by_key[(200, "S")].cgroup == ""
     assert len(data.long_blocks) == 3
+
+
+def test_accumulator_tells_frames_apart_by_module_and_side() -> None:
+    same_names = [
+        row(1, 1, "a", "S", 1 * MS, 1, (), uframes("f", "main", module="one")),
+        row(1, 1, "a", "S", 2 * MS, 1, (), uframes("f", "main", module="two")),
+        row(1, 1, "a", "S", 4 * MS, 1, kframes("f", "main"), ()),
+        row(1, 1, "a", "S", 8 * MS, 1, (), uframes("f", "main", module="one")),
+    ]
+    # Fresh tuples each time (as a replay gives them) and shared ones (as a
+    # live capture does) are the same stacks.
+    acc = ProfileAccumulator()
+    acc.add(snap(1, same_names))
+    fresh = [dataclasses.replace(r, user=tuple([dataclasses.replace(f) for f in r.user]))
+             for r in same_names[:1]]
+    assert fresh[0].user is not same_names[0].user
+    acc.add(snap(2, fresh))
+    data = acc.profile()
+    assert sorted(s.offcpu_ns for s in data.stacks) == [2 * MS, 4 * MS, 10 * MS]
 
 
 def test_accumulator_memory_is_bounded_and_totals_stay_exact() -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import gzip
 from collections.abc import Iterable, Sequence
 
-from offtop.export.accumulator import ProfileData
+from offtop.export.accumulator import ProfileData, StackTotal
 from offtop.model import Frame
 from offtop.units import format_ns
 
@@ -50,6 +50,26 @@ def _varint(out: bytearray, n: int) -> None:
         out.append((n & 0x7F) | 0x80)
         n >>= 7
     out.append(n)
+
+
+def _uvarint(n: int) -> bytes:
+    """A non-negative varint on its own (the samples' fast path)."""
+    if n < _SMALL_MAX:
+        return _SMALL[n]
+    out = bytearray()
+    _varint(out, n)
+    return bytes(out)
+
+
+def _encode_small(n: int) -> bytes:
+    out = bytearray()
+    _varint(out, n)
+    return bytes(out)
+
+
+#: Varints below 2**14 (ids, string indices, lengths, counts) are looked up.
+_SMALL_MAX = 1 << 14
+_SMALL = [_encode_small(n) for n in range(_SMALL_MAX)]
 
 
 class _Message:
@@ -118,7 +138,8 @@ class _Builder:
         self.strings = _Strings()
         self.mappings: dict[str, int] = {}
         self.locations: dict[tuple[str, str, bool], tuple[int, int]] = {}  # -> (id, mapping)
-        self.body = _Message()
+        self.labels: dict[tuple[str, str], bytes] = {}
+        self.samples = bytearray()
 
     def mapping_of(self, module: str) -> int:
         if not module:
@@ -128,22 +149,46 @@ class _Builder:
             mid = self.mappings[module] = len(self.mappings) + 1
         return mid
 
-    def location_of(self, f: Frame) -> int:
-        key = (f.name, f.module, f.kernel)
-        loc = self.locations.get(key)
-        if loc is None:
-            loc = self.locations[key] = (len(self.locations) + 1, self.mapping_of(f.module))
-        return loc[0]
+    def new_location(self, f: Frame) -> tuple[int, int]:
+        """A location (and its mapping) for a frame not seen before: (id, mapping id)."""
+        loc = self.locations[(f.name, f.module, f.kernel)] = (
+            len(self.locations) + 1, self.mapping_of(f.module))
+        return loc
 
-    def label(self, key: str, value: str) -> _Message:
-        return _Message().varint(1, self.strings(key)).varint(2, self.strings(value))
+    def label(self, key: str, value: str) -> bytes:
+        """A sample's label field (3), encoded once per distinct (key, value)."""
+        field = self.labels.get((key, value))
+        if field is None:
+            msg = _Message().varint(1, self.strings(key)).varint(2, self.strings(value)).buf
+            field = self.labels[(key, value)] = b"\x1a" + _uvarint(len(msg)) + msg
+        return field
+
+    def sample(self, st: StackTotal) -> None:
+        """One sample (field 2): location ids leaf first, [count, ns], labels.
+
+        Written field by field from cached pieces: this runs once per stack,
+        20,000 times for a busy interval.
+        """
+        locs = self.locations
+        ids = [(locs.get((f.name, f.module, f.kernel)) or self.new_location(f))[0]
+               for f in st.frames]
+        packed = b"".join([_SMALL[i] if i < _SMALL_MAX else _uvarint(i) for i in ids])
+        values = _uvarint(st.count) + _uvarint(st.offcpu_ns)
+        label = self.label
+        body = b"".join([
+            b"\x0a", _uvarint(len(packed)), packed,
+            b"\x12", _uvarint(len(values)), values,
+            label("pid", str(st.pid)), label("tid", str(st.tid)), label("comm", st.comm),
+            label("state", st.state), label("cgroup", st.cgroup) if st.cgroup else b"",
+        ])
+        self.samples += b"\x12" + _uvarint(len(body)) + body
 
     def finish(self, data: ProfileData, comments: Sequence[str]) -> bytes:
         s = self.strings
         out = _Message()
         for typ, unit in SAMPLE_TYPES:
             out.message(1, _Message().varint(1, s(typ)).varint(2, s(unit)))
-        out.buf += self.body.buf  # the samples (field 2)
+        out.buf += self.samples  # field 2
         for module, mid in self.mappings.items():
             out.message(3, _Message().varint(1, mid).varint(5, s(module)).varint(7, 1))
         for (name, _module, _kernel), (lid, mid) in self.locations.items():
@@ -178,23 +223,14 @@ def default_comments(data: ProfileData) -> list[str]:
 def pprof_bytes(data: ProfileData, *, compress: bool = True) -> bytes:
     """`data` as a pprof profile, gzipped unless `compress` is false."""
     b = _Builder()
-    for st in data.stacks:
-        if st.offcpu_ns <= 0 and st.count <= 0:
-            continue
-        # Register user modules first so that mapping[0], which pprof calls
-        # the main binary, is a program rather than the kernel.
-        for f in reversed(st.user):
+    stacks = [st for st in data.stacks if st.offcpu_ns > 0 or st.count > 0]
+    if stacks:
+        # The heaviest stack's user modules come first, so that mapping[0],
+        # which pprof calls the main binary, is a program, not the kernel.
+        for f in reversed(stacks[0].user):
             b.mapping_of(f.module)
-        sample = _Message()
-        sample.packed(1, [b.location_of(f) for f in st.frames])
-        sample.packed(2, [st.count, st.offcpu_ns])
-        labels = [("pid", str(st.pid)), ("tid", str(st.tid)), ("comm", st.comm),
-                  ("state", st.state)]
-        if st.cgroup:
-            labels.append(("cgroup", st.cgroup))
-        for k, v in labels:
-            sample.message(3, b.label(k, v))
-        b.body.message(2, sample)
+    for st in stacks:
+        b.sample(st)
     raw = b.finish(data, [*default_comments(data), *data.comments])
     # mtime=0: the same profile gives the same bytes (tests, dedup in backends).
     return gzip.compress(raw, compresslevel=6, mtime=0) if compress else raw
