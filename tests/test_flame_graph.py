@@ -309,6 +309,9 @@ async def test_a_refresh_keeps_the_zoom_and_cursor_on_the_same_frames() -> None:
         # The new, hotter child comes first.
         work = graph.zoom_node
         assert graph.flame_tree.name(graph.flame_tree.children(work)[0]) == "lock"
+        # Another scope starts from the whole graph.
+        graph.show(more, title="another task")
+        assert graph.zoom_node == 0 and graph.cursor_node == 0
 
 
 async def test_untrusted_names_are_drawn_literally() -> None:

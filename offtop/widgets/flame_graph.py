@@ -481,12 +481,15 @@ class FlameGraph(ScrollView, can_focus=True):
     def show_tree(self, tree: FlameTree) -> None:
         """Show a tree built elsewhere (e.g. in a worker thread).
 
-        The zoom and the cursor stay on the same frames (by path) when they
-        still exist, so a live refresh does not lose the user's place; the
-        search is applied again.
+        A refresh of the same scope (same title and grouping) keeps the zoom
+        and the cursor on the same frames (by path) where they still exist,
+        so a live update does not lose the user's place; another scope starts
+        from the whole graph. The search is applied again either way.
         """
-        zoom_path = self.flame_tree.path_of(self._zoom)
-        cursor_path = self.flame_tree.path_of(self._cursor)
+        old = self.flame_tree
+        same_scope = (old.title, old.group_by) == (tree.title, tree.group_by)
+        zoom_path = old.path_of(self._zoom) if same_scope else ()
+        cursor_path = old.path_of(self._cursor) if same_scope else ()
         self.flame_tree = tree
         self._zoom = tree.find(zoom_path)
         self._cursor = tree.find(cursor_path)
