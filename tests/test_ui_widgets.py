@@ -17,7 +17,7 @@ from offtop.safe_text import printable
 from offtop.synthetic import synthetic_snapshots
 from offtop.widgets.callchain_tree import merge_stacks, stack_path
 from offtop.widgets.key_bar import KeyBar
-from offtop.widgets.line_table import Column, KeyedRow, LineTable
+from offtop.widgets.line_table import Column, KeyedRow, KeyedRows, LineTable, layout_columns
 from offtop.widgets.render import chain_summary, frame_text, task_label
 from offtop.widgets.task_table import SortSpec, TaskTable
 from offtop.widgets.threshold_slider import (
@@ -101,6 +101,36 @@ def random_rounds(seed: int, rounds: int = 12) -> list[list[KeyedRow]]:
         keys = rng.sample(range(60), rng.randrange(0, 40))
         out.append([(f"k{k}", (f"n{k}", rng.randrange(5))) for k in keys])
     return out
+
+
+def test_keyed_rows_version_rows_by_their_values() -> None:
+    rows = KeyedRows()
+    assert rows.sync([("a", (1,)), ("b", (2,))]) == (True, ["a", "b"])
+    a, b = rows.version("a"), rows.version("b")
+    # Same rows, same order: nothing changed, nothing redrawn.
+    assert rows.sync([("a", (1,)), ("b", (2,))]) == (False, [])
+    assert (rows.version("a"), rows.version("b")) == (a, b)
+    # A re-sort changes the order only; a new value changes its row's version only.
+    assert rows.sync([("b", (2,)), ("a", (3,))]) == (True, ["a"])
+    assert rows.version("b") == b and rows.version("a") not in (a, b)
+    assert rows.keys == ["b", "a"] and rows.index("a") == 1 and rows.values("a") == (3,)
+    # A row that goes and comes back is new again.
+    rows.sync([("b", (2,))])
+    assert rows.index("a") is None
+    assert rows.sync([("b", (2,)), ("a", (3,))]) == (True, ["a"])
+    with pytest.raises(ValueError):
+        rows.sync([("a", (1,)), ("a", (1,))])
+
+
+def test_flexible_columns_share_the_width() -> None:
+    columns = [Column("a", "A", 4), Column("b", "B", 5, flex=True), Column("c", "C", 2),
+               Column("d", "D", 3, flex=True)]
+    # Padded: 6 + 7 + 4 + 5 = 22; 9 cells to share between b and d.
+    layout = layout_columns(columns, 31, padding=1)
+    assert layout.widths == (4, 10, 2, 7)
+    assert layout.offsets == (0, 6, 18, 22) and layout.total == 31
+    # Narrower than the columns: their own widths (the table scrolls sideways).
+    assert layout_columns(columns, 10, padding=1).widths == (4, 5, 2, 3)
 
 
 async def test_line_table_shows_the_rows_it_is_given() -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rich.cells import cell_len
+from rich.console import Console
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
@@ -65,7 +66,7 @@ class Column:
 
 
 @dataclass(frozen=True, slots=True)
-class _Layout:
+class ColumnLayout:
     """Where the columns sit at one table width (padding included)."""
 
     widths: tuple[int, ...]
@@ -98,9 +99,131 @@ class _Pass:
     header: Style
     cursor_shown: bool
     width: int
-    layout: _Layout
+    layout: ColumnLayout
     scroll_x: int
     scroll_y: int
+
+
+class KeyedRows:
+    """Rows by key, in order, each with a version bumped when its values change.
+
+    The data of a `LineTable`, apart from the widget: a sync compares each
+    row's raw values with the last ones and reports what changed.
+    """
+
+    def __init__(self) -> None:
+        #: The keys, top to bottom.
+        self.keys: list[str] = []
+        self._index: dict[str, int] = {}
+        self._raw: dict[str, tuple[Hashable, ...]] = {}
+        self._versions: dict[str, int] = {}
+        self._next_version = itertools.count(1).__next__
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def sync(self, rows: Sequence[KeyedRow]) -> tuple[bool, list[str]]:
+        """Hold `rows` from now on: (whether the order of keys changed, the
+        keys whose values changed or that are new). Keys must be unique."""
+        raw = dict(rows)
+        if len(raw) != len(rows):
+            raise ValueError("duplicate row keys")
+        old_raw, old_versions = self._raw, self._versions
+        versions: dict[str, int] = {}
+        changed: list[str] = []
+        for key, values in rows:
+            old = old_raw.get(key)
+            if old is None or old != values:
+                versions[key] = self._next_version()
+                changed.append(key)
+            else:
+                versions[key] = old_versions[key]
+        keys = [key for key, _ in rows]
+        reordered = keys != self.keys
+        if reordered:
+            self.keys = keys
+            self._index = {key: i for i, key in enumerate(keys)}
+        self._raw, self._versions = raw, versions
+        return reordered, changed
+
+    def clear(self) -> None:
+        """No rows."""
+        self.sync(())
+
+    def index(self, key: str) -> int | None:
+        """The position of `key`, if it is a row."""
+        return self._index.get(key)
+
+    def values(self, key: str) -> tuple[Hashable, ...]:
+        """The raw values of row `key` (KeyError if none)."""
+        return self._raw[key]
+
+    def version(self, key: str) -> int:
+        """The version of row `key`: changes exactly when its values do."""
+        return self._versions[key]
+
+
+def layout_columns(columns: Sequence[Column], width: int, padding: int) -> ColumnLayout:
+    """Column widths and offsets in a table `width` wide: flexible columns
+    share what the others leave, evenly (the leftmost take the remainder)."""
+    pad = 2 * padding
+    widths = [c.width for c in columns]
+    flex = [i for i, c in enumerate(columns) if c.flex]
+    spare = width - sum(w + pad for w in widths)
+    if flex and spare > 0:
+        share, extra = divmod(spare, len(flex))
+        for n, i in enumerate(flex):
+            widths[i] += share + (1 if n < extra else 0)
+    offsets, x = [], 0
+    for w in widths:
+        offsets.append(x)
+        x += w + pad
+    return ColumnLayout(tuple(widths), tuple(offsets), x)
+
+
+def cell_lines(text: Text, width: int, height: int, console: Console) -> CellLines:
+    """`text` cut into `height` lines (at `\\n`) of exactly `width` cells each:
+    cut with its overflow (an ellipsis by default), padded as it is justified,
+    every control character shown as a visible escape."""
+    plain = text.plain
+    if height == 1 and not text.spans and plain.isprintable():
+        # Most cells: one style, one line that fits. No Text to copy.
+        length = cell_len(plain)
+        if length <= width:
+            style = console.get_style(text.style, default=Style.null())
+            blank = Segment(" " * (width - length))
+            if text.justify == "right":
+                return ((blank, Segment(plain, style)),)
+            return ((Segment(plain, style), blank),)
+    parts = text.split("\n", allow_blank=True) if "\n" in plain else [text.copy()]
+    overflow = text.overflow or "ellipsis"
+    out: list[tuple[Segment, ...]] = []
+    for i in range(height):
+        line = parts[i] if i < len(parts) else Text()
+        if line.style:
+            # `Text.render` draws spans only: the text's own style must be one.
+            line.stylize_before(line.style)
+            line.style = ""
+        if not line.plain.isprintable():
+            line = _printable(line, line.render(console))
+        line.truncate(width, overflow=overflow)
+        gap = width - line.cell_len
+        if gap > 0:
+            if text.justify == "right":
+                line.pad_left(gap)
+            else:
+                line.pad_right(gap)
+        out.append(tuple(line.render(console)))
+    return tuple(out)
+
+
+def _printable(line: Text, segments: Iterable[Segment]) -> Text:
+    """`line` (drawn as `segments`) with its control characters replaced by
+    visible escapes, its styles kept."""
+    out = Text(justify=line.justify, overflow=line.overflow, no_wrap=True, end="")
+    for segment in segments:
+        out.append(printable(segment.text), segment.style)
+    return out
 
 
 class LineTable(ScrollView, can_focus=True):
@@ -219,11 +342,7 @@ class LineTable(ScrollView, can_focus=True):
         #: refresh really cost, for tests and benchmarks.
         self.lines_rendered = 0
         self._table_columns: tuple[Column, ...] = ()
-        self._keys: list[str] = []
-        self._index: dict[str, int] = {}
-        self._raw: dict[str, tuple[Hashable, ...]] = {}
-        self._versions: dict[str, int] = {}
-        self._next_version = itertools.count(1).__next__
+        self._rows = KeyedRows()
         # Bumped when what `render_cell` draws changes without the values
         # changing (new columns, `refresh_cells`): part of every cache key.
         self._generation = 0
@@ -232,7 +351,7 @@ class LineTable(ScrollView, can_focus=True):
         # The key last announced by `RowHighlighted`: what "the row under the
         # cursor" was, even while the rows are being replaced.
         self._highlighted: str | None = None
-        self._layouts: dict[int, _Layout] = {}
+        self._layouts: dict[int, ColumnLayout] = {}
         self._cells: LRUCache[tuple[object, ...], CellLines] = LRUCache(4096)
         self._lines: LRUCache[tuple[object, ...], Strip] = LRUCache(1024)
         self._pass: _Pass | None = None
@@ -248,7 +367,7 @@ class LineTable(ScrollView, can_focus=True):
         self._table_columns = tuple(c if isinstance(c, Column) else Column(*c) for c in columns)
         self._layouts.clear()
         self._generation += 1
-        self._keys, self._index, self._raw, self._versions = [], {}, {}, {}
+        self._rows.clear()
         self._update_virtual_size()
         self.refresh()
 
@@ -282,45 +401,27 @@ class LineTable(ScrollView, can_focus=True):
 
     def get_cell(self, key: str, column: str) -> Text:
         """What the cell of row `key` in `column` shows (KeyError if none)."""
-        raw = self._raw[key]
-        return self.render_cell(column, raw[self.column_keys.index(column)])
+        values = self._rows.values(key)
+        return self.render_cell(column, values[self.column_keys.index(column)])
 
     # --- rows -------------------------------------------------------------
 
     @property
     def row_keys_in_order(self) -> list[str]:
         """The keys of the rows, top to bottom."""
-        return list(self._keys)
+        return list(self._rows.keys)
 
     @property
     def row_count(self) -> int:
         """The number of rows."""
-        return len(self._keys)
+        return len(self._rows)
 
     def sync_rows(self, rows: Sequence[KeyedRow]) -> None:
         """Make the table show `rows`, in this order; redraw only what changed.
 
         Keys must be unique (ValueError otherwise).
         """
-        raw = dict(rows)
-        if len(raw) != len(rows):
-            raise ValueError("duplicate row keys")
-        old_raw, old_versions = self._raw, self._versions
-        versions: dict[str, int] = {}
-        changed: list[str] = []
-        for key, values in rows:
-            old = old_raw.get(key)
-            if old is None or old != values:
-                versions[key] = self._next_version()
-                changed.append(key)
-            else:
-                versions[key] = old_versions[key]
-        keys = [key for key, _ in rows]
-        reordered = keys != self._keys
-        if reordered:
-            self._keys = keys
-            self._index = {key: i for i, key in enumerate(keys)}
-        self._raw, self._versions = raw, versions
+        reordered, changed = self._rows.sync(rows)
         self._update_virtual_size()
         before = self._cursor
         self._place_cursor()
@@ -328,18 +429,20 @@ class LineTable(ScrollView, can_focus=True):
             self.refresh()
         else:
             for key in changed:
-                self._refresh_row(self._index[key])
+                index = self._rows.index(key)
+                if index is not None:
+                    self._refresh_row(index)
         self._announce()
 
     def _place_cursor(self) -> None:
         """After a sync: the same key if following it, else the same position."""
         if self.follow and self._highlighted is not None:
-            index = self._index.get(self._highlighted)
+            index = self._rows.index(self._highlighted)
             if index is not None:
                 self._cursor = index
                 self._scroll_to_cursor()
                 return
-        self._cursor = max(0, min(self._cursor, len(self._keys) - 1))
+        self._cursor = max(0, min(self._cursor, len(self._rows) - 1))
 
     # --- the cursor ---------------------------------------------------------
 
@@ -351,11 +454,12 @@ class LineTable(ScrollView, can_focus=True):
     @property
     def cursor_key(self) -> str | None:
         """The key of the row under the cursor, if any."""
-        return self._keys[self._cursor] if self._keys else None
+        keys = self._rows.keys
+        return keys[self._cursor] if keys else None
 
     def move_cursor(self, row: int, *, scroll: bool = True) -> None:
         """Put the cursor on the row at position `row` (clamped)."""
-        row = max(0, min(row, len(self._keys) - 1))
+        row = max(0, min(row, len(self._rows) - 1))
         if row != self._cursor:
             self._refresh_row(self._cursor)
             self._cursor = row
@@ -366,7 +470,7 @@ class LineTable(ScrollView, can_focus=True):
 
     def move_to_key(self, key: str, *, scroll: bool = True) -> bool:
         """Put the cursor on the row with `key`; False if there is no such row."""
-        index = self._index.get(key)
+        index = self._rows.index(key)
         if index is None:
             return False
         self.move_cursor(index, scroll=scroll)
@@ -394,7 +498,7 @@ class LineTable(ScrollView, can_focus=True):
 
     def _scroll_to_cursor(self) -> None:
         body = self._body_height()
-        if body <= 0 or not self._keys:
+        if body <= 0 or not self._rows:
             return
         top = self._cursor * self.ROW_HEIGHT
         bottom = top + self.ROW_HEIGHT
@@ -428,7 +532,7 @@ class LineTable(ScrollView, can_focus=True):
 
     def action_last_row(self) -> None:
         """The last row."""
-        self.move_cursor(len(self._keys) - 1)
+        self.move_cursor(len(self._rows) - 1)
 
     def action_select_cursor(self) -> None:
         """Post `RowSelected` for the row under the cursor."""
@@ -444,7 +548,7 @@ class LineTable(ScrollView, can_focus=True):
         if line < 0:
             return None
         row = (line + self.scroll_offset.y) // self.ROW_HEIGHT
-        return row if row < len(self._keys) else None
+        return row if row < len(self._rows) else None
 
     def _column_at(self, x: int) -> str | None:
         layout = self._layout(self.scrollable_content_region.width)
@@ -502,30 +606,17 @@ class LineTable(ScrollView, can_focus=True):
 
     def on_resize(self, _: events.Resize) -> None:
         """Flexible columns take the new width; the cursor stays in view."""
-        self._update_virtual_size()
         self._scroll_to_cursor()
         self.refresh()
 
     # --- drawing ----------------------------------------------------------------
 
-    def _layout(self, width: int) -> _Layout:
+    def _layout(self, width: int) -> ColumnLayout:
         """Column widths and offsets at a table width (flexible columns filled)."""
         layout = self._layouts.get(width)
         if layout is not None:
             return layout
-        pad = 2 * self.CELL_PADDING
-        widths = [c.width for c in self._table_columns]
-        flex = [i for i, c in enumerate(self._table_columns) if c.flex]
-        spare = width - sum(w + pad for w in widths)
-        if flex and spare > 0:
-            share, extra = divmod(spare, len(flex))
-            for n, i in enumerate(flex):
-                widths[i] += share + (1 if n < extra else 0)
-        offsets, x = [], 0
-        for w in widths:
-            offsets.append(x)
-            x += w + pad
-        layout = _Layout(tuple(widths), tuple(offsets), x)
+        layout = layout_columns(self._table_columns, width, self.CELL_PADDING)
         if len(self._layouts) > 8:
             self._layouts.clear()
         self._layouts[width] = layout
@@ -537,7 +628,7 @@ class LineTable(ScrollView, can_focus=True):
         # scroll sideways unless the view is narrower than that.
         pad = 2 * self.CELL_PADDING
         width = sum(c.width + pad for c in self._table_columns)
-        height = self._header_height + len(self._keys) * self.ROW_HEIGHT
+        height = self._header_height + len(self._rows) * self.ROW_HEIGHT
         self.virtual_size = Size(width, height)
 
     def _refresh_row(self, row: int) -> None:
@@ -579,23 +670,24 @@ class LineTable(ScrollView, can_focus=True):
         if y < self._header_height:
             return self._header_line(state)
         row, sub = divmod(y - self._header_height + state.scroll_y, self.ROW_HEIGHT)
-        if row >= len(self._keys):
+        rows = self._rows
+        if row >= len(rows):
             return Strip.blank(state.width, state.base.pre)
-        key = self._keys[row]
+        key = rows.keys[row]
         if row == self._cursor and state.cursor_shown:
             style = state.cursor
         elif row == self._hover:
             style = state.hover
         else:
             style = state.base
-        cache_key = (key, self._versions[key], sub, state.layout.widths, self._generation,
+        cache_key = (key, rows.version(key), sub, state.layout.widths, self._generation,
                      style, state.scroll_x, state.width)
         strip = self._lines.get(cache_key)
         if strip is None:
             self.lines_rendered += 1
             cells = [
                 self._cell(column.key, value, width)[sub]
-                for column, value, width in zip(self._table_columns, self._raw[key],
+                for column, value, width in zip(self._table_columns, rows.values(key),
                                                 state.layout.widths, strict=True)
             ]
             strip = self._strip(cells, style, state)
@@ -610,8 +702,8 @@ class LineTable(ScrollView, can_focus=True):
             # Labels are cropped, not ellipsized: a sort mark that does not fit
             # is dropped rather than the label's last letter.
             cells = [
-                self._text_lines(Text(c.label, overflow="crop") if isinstance(c.label, str)
-                                 else c.label, w, 1)[0]
+                cell_lines(Text(c.label, overflow="crop") if isinstance(c.label, str)
+                           else c.label, w, 1, self.app.console)[0]
                 for c, w in zip(self._table_columns, state.layout.widths, strict=True)
             ]
             strip = self._strip(cells, _LineStyle(state.header), state)
@@ -642,49 +734,7 @@ class LineTable(ScrollView, can_focus=True):
         cache_key = (column, type(value), value, width, self._generation)
         lines = self._cells.get(cache_key)
         if lines is None:
-            lines = self._text_lines(self.render_cell(column, value), width, self.ROW_HEIGHT)
+            lines = cell_lines(self.render_cell(column, value), width, self.ROW_HEIGHT,
+                               self.app.console)
             self._cells.set(cache_key, lines)
         return lines
-
-    def _text_lines(self, text: Text, width: int, height: int) -> CellLines:
-        """`text` cut into `height` lines of exactly `width` cells each."""
-        console = self.app.console
-        plain = text.plain
-        if height == 1 and not text.spans and plain.isprintable():
-            # Most cells: one style, one line that fits. No Text to copy.
-            length = cell_len(plain)
-            if length <= width:
-                style = console.get_style(text.style, default=Style.null())
-                blank = Segment(" " * (width - length))
-                if text.justify == "right":
-                    return ((blank, Segment(plain, style)),)
-                return ((Segment(plain, style), blank),)
-        parts = text.split("\n", allow_blank=True) if "\n" in plain else [text.copy()]
-        overflow = text.overflow or "ellipsis"
-        out: list[tuple[Segment, ...]] = []
-        for i in range(height):
-            line = parts[i] if i < len(parts) else Text()
-            if line.style:
-                # `Text.render` draws spans only: the text's own style must be one.
-                line.stylize_before(line.style)
-                line.style = ""
-            if not line.plain.isprintable():
-                line = _printable(line, line.render(console))
-            line.truncate(width, overflow=overflow)
-            gap = width - line.cell_len
-            if gap > 0:
-                if text.justify == "right":
-                    line.pad_left(gap)
-                else:
-                    line.pad_right(gap)
-            out.append(tuple(line.render(console)))
-        return tuple(out)
-
-
-def _printable(line: Text, segments: Iterable[Segment]) -> Text:
-    """`line` (drawn as `segments`) with its control characters replaced by
-    visible escapes, its styles kept."""
-    out = Text(justify=line.justify, overflow=line.overflow, no_wrap=True, end="")
-    for segment in segments:
-        out.append(printable(segment.text), segment.style)
-    return out
