@@ -261,15 +261,17 @@ def side_by_side(args: argparse.Namespace) -> int:
                     for name, values in data[part].items():
                         merged[side][i].setdefault(name, []).extend(values)
     table(*merged["this"])
-    this, other = merged["this"][0], merged["against"][0]
-    print(f"\nside by side, wall ms (median / worst), {args.against} → this tree:")
+    (this, this_cpu), (other, other_cpu) = merged["this"], merged["against"]
+    print(f"\nside by side, ms: wall median / worst, cpu median / worst; {args.against} → this tree")
     for name, values in this.items():
-        old = other.get(name)
-        if not old:
+        old, old_cpu, cpu = other.get(name), other_cpu.get(name), this_cpu.get(name, values)
+        if not old or not old_cpu:
             continue
-        m_old, m_new = statistics.median(old), statistics.median(values)
-        print(f"  {name:<24} {m_old:>7.1f} / {max(old):>6.1f}  →  "
-              f"{m_new:>7.1f} / {max(values):>6.1f}   median {m_old / max(m_new, 1e-9):.2f}x")
+        speedup = statistics.median(old) / max(statistics.median(values), 1e-9)
+        print(f"  {name:<24} wall {statistics.median(old):6.1f} / {max(old):6.1f} → "
+              f"{statistics.median(values):6.1f} / {max(values):6.1f}   "
+              f"cpu {statistics.median(old_cpu):6.1f} / {max(old_cpu):6.1f} → "
+              f"{statistics.median(cpu):6.1f} / {max(cpu):6.1f}   wall median {speedup:.2f}x")
     return 0
 
 

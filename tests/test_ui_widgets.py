@@ -245,6 +245,14 @@ async def test_line_table_keys_and_mouse() -> None:
         await pilot.click(NumberTable, offset=(12, 0))
         await pilot.pause()
         assert app.headers == ["value"]
+        # The row under the mouse is drawn hovered; it moves with the mouse.
+        plain = backgrounds(table, 6)
+        await pilot.hover(NumberTable, offset=(2, 5))
+        await pilot.pause()
+        assert backgrounds(table, 5) != plain == backgrounds(table, 6)
+        await pilot.hover(NumberTable, offset=(2, 6))
+        await pilot.pause()
+        assert backgrounds(table, 6) != plain == backgrounds(table, 5)
         # The wheel scrolls the view, not the cursor.
         table.post_message(events.MouseScrollDown(table, 2, 3, 0, 1, 0, False, False, False))
         await pilot.pause()
