@@ -603,8 +603,10 @@ def test_a_hundred_blocked_threads_are_read_in_few_syscalls() -> None:
 
         def all_asleep() -> bool:
             result = reader.read_process(b.pid)
+            main = result.threads.get(b.pid)
             return len(result.threads) == 101 and all(
-                result.threads[t].frames[:1] == asleep for t in b.tids.values())
+                result.threads[t].frames[:1] == asleep for t in b.tids.values()) and main is not None and [
+                f.function for f in main.frames] == ["Condition.wait", "Event.wait", "main", "<module>"]
 
         end = time.monotonic() + 15
         while not all_asleep() and time.monotonic() < end:
@@ -647,6 +649,19 @@ def test_a_process_that_is_not_python_is_said_so_once() -> None:
         proc.kill()
         proc.wait()
     assert reader.read_process(proc.pid).failure == NOT_PYTHON  # gone
+
+
+@needs_root
+def test_a_process_offtop_may_not_look_into_is_a_failed_read_not_not_python(
+        debian_blockers: Blockers) -> None:
+    """Without ptrace rights (offtop with CAP_BPF+CAP_PERFMON only) the cause says so."""
+    if not shutil.which("setpriv"):
+        pytest.skip("no setpriv")
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from offtop.pystacks import PythonStacks; "
+            f"r = PythonStacks(); print(r.read_process({debian_blockers.pid}).failure, dict(r.failures))")
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                          "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == "read failed {'read failed': 1}"
 
 
 class _FakeFinder:

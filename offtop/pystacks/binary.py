@@ -15,6 +15,7 @@ disk since), and each parsed file is shared by all processes that map it.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import struct
@@ -22,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from offtop.pystacks.memory import ReadError
 from offtop.safe_files import FileRefused, open_regular
 from offtop.symbols import Mapping, read_maps
 
@@ -170,7 +172,10 @@ class InterpreterFinder:
                     info = parse_elf_symbols(f.pread, f.size)
                 except ValueError:
                     info = None
-        except FileRefused:
+        except FileRefused as e:
+            if e.os_errno in (errno.EPERM, errno.EACCES):
+                # Not ours to read (offtop without CAP_SYS_PTRACE): not "not python".
+                raise ReadError(e.os_errno, str(e)) from None
             return None
         self._files[key] = info
         if len(self._files) > self._max:
@@ -178,12 +183,18 @@ class InterpreterFinder:
         return info
 
     def find(self, pid: int) -> Interpreter | None:
-        """The interpreter mapped into `pid`, or None if no mapped file defines `_PyRuntime`."""
-        maps = read_maps(pid, self._proc)
+        """The interpreter mapped into `pid`, or None if no mapped file defines `_PyRuntime`.
+
+        Raises ReadError when the process's files may not be opened (EPERM).
+        """
         try:
             exe = os.readlink(f"{self._proc}/{pid}/exe").removesuffix(" (deleted)")
+        except PermissionError as e:
+            # Another user's process, and offtop may not look into it (maps is closed too).
+            raise ReadError(e.errno or errno.EACCES, f"{pid}: {e}") from None
         except OSError:
             exe = ""
+        maps = read_maps(pid, self._proc)
         # The executable first (python3.11, or an embedder linked with the
         # interpreter), then any libpython; never every library a process maps.
         seen: set[str] = set()

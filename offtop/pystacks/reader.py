@@ -13,6 +13,10 @@ checked as it is followed (pointer plausibility, no loops, `tstate->interp`
 pointing back, type objects of code objects), and a check that fails ends
 that thread's stack with `truncated` rather than producing wrong frames.
 
+Thread states form a linked list (one read each); the frames of all the
+threads asked for are then walked together, one batched process_vm_readv
+per depth, and the code objects they run are read in one more batch.
+
 Thread states are mapped to kernel thread ids by `native_thread_id` (3.11+)
 or, before it, through glibc's `struct pthread` (`thread_id` is its
 address), at the offset of its `tid` field, found once per process where
@@ -43,6 +47,8 @@ _FUTEX_NR = {"x86_64": 202, "aarch64": 98}
 
 @dataclass(frozen=True, slots=True)
 class _RawFrame:
+    """A frame as read, before its code object is decoded."""
+
     code: int
     position: int
     entry: bool
@@ -62,18 +68,12 @@ class _Gil:
 
 @dataclass(frozen=True, slots=True)
 class _ThreadState:
+    """A PyThreadState that names a live thread of the process."""
+
     addr: int
     tid: int
     first_frame: int
     gil: _Gil
-
-
-class ThreadReadError(Exception):
-    """Why a read of the thread list stopped: a failure cause of `model`."""
-
-    def __init__(self, cause: str, detail: str) -> None:
-        super().__init__(f"{cause}: {detail}")
-        self.cause = cause
 
 
 class ProcessReader:

@@ -146,7 +146,10 @@ class PythonStacks:
         return known
 
     def _resolve(self, pid: int, now: float) -> _Known:
-        interp = self._finder.find(pid)
+        try:
+            interp = self._finder.find(pid)
+        except ReadError:
+            return _Known(None, "", READ_FAILED, now)
         if interp is None:
             return _Known(None, "", NOT_PYTHON, now)
         try:

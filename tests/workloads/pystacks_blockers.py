@@ -10,8 +10,9 @@ check the line numbers the reader reports.
 `holding_gil` calls libc's sleep() through ctypes.PyDLL, which keeps the GIL
 while it sleeps (PyDLL is the calling convention for functions that need
 it), so `waiting_for_gil`, woken from a short sleep, waits in take_gil for
-as long as the holder sleeps. Both are off-CPU: no core is burned, and the
-wait does not depend on the scheduler or the switch interval.
+as long as the holder sleeps, in one futex wait (the switch interval is
+set long). Both are off-CPU: no core is burned, and the wait does not
+depend on the scheduler.
 
 `--sleepers N` adds N threads in time.sleep inside `extra_sleeper`, to
 measure the cost of a read of many threads. Used only by tests; it runs
@@ -111,6 +112,10 @@ def main() -> None:
                     (nested_outer, (3,))]
     if args.gil:
         targets += [(holding_gil, (go, args.hold_s)), (waiting_for_gil, ())]
+        # take_gil waits on the GIL's condition variable for one switch
+        # interval at a time, then asks the holder to drop it and waits again:
+        # with a long interval the waiter stays asleep on that futex.
+        sys.setswitchinterval(1000.0)
     targets += [(extra_sleeper, (i,)) for i in range(args.sleepers)]
     _expected = len(targets)
     for fn, fargs in targets:
