@@ -253,8 +253,13 @@ class PerfMap:
         return None
 
     def refresh(self, deadline: float | None = None,
-                clock: Callable[[], float] = time.monotonic) -> None:
-        """Read what was appended since the last refresh (until `deadline`)."""
+                clock: Callable[[], float] = time.monotonic) -> bool:
+        """Read what was appended since the last refresh (until `deadline`).
+
+        True when the file was read to its end (or its cap), or refused;
+        False when there is none yet (a runtime may write it later) or
+        `deadline` cut the read short.
+        """
         f = None
         for path in self._paths:
             try:
@@ -263,27 +268,30 @@ class PerfMap:
             except FileRefused as e:
                 if not e.gone:
                     self.errors.add(PERF_MAP_PREFIX + e.cause)
-                    return
+                    return True
         if f is None:
-            return
+            return False
+        complete = True
         with f:
             identity = (f.stat.st_dev, f.stat.st_ino)
             if identity != self._identity or f.size < self._offset:  # replaced or rewritten
                 self._reset(identity)
-            limit = min(f.size, MAX_PERF_MAP_BYTES) - self._offset
+            end = min(f.size, MAX_PERF_MAP_BYTES)
             if f.size > MAX_PERF_MAP_BYTES:
                 self.errors.add(PERF_MAP_TRUNCATED)
             added: list[tuple[int, int, str]] = []
             try:
-                for chunk in f.chunks(start=self._offset, limit=max(0, limit)):
+                for chunk in f.chunks(start=self._offset, limit=max(0, end - self._offset)):
                     self._offset += len(chunk)
                     self._take(chunk, added)
-                    if deadline is not None and clock() >= deadline:
+                    if self._offset < end and deadline is not None and clock() >= deadline:
+                        complete = False
                         break
             except FileRefused as e:
                 self.errors.add(PERF_MAP_PREFIX + e.cause)
         if added:
             self._add(added)
+        return complete
 
     def _take(self, chunk: bytes, added: list[tuple[int, int, str]]) -> None:
         lines = chunk.split(b"\n")
@@ -499,14 +507,24 @@ class UserSymbols:
         m = self._mapping(pid, p, look, deadline)
         if m is not None and m.handle:
             return self._file_frame(p, m, addr, look, deadline)
-        name = self._jit_name(pid, p, look, deadline)
+        name, settled = self._jit_name(pid, p, look, deadline)
         if name is not None:
             return Frame(name=name, module="[jit]", kernel=False), True
-        if m is not None:  # anonymous executable memory (a JIT without a perf map, vdso)
+        if m is None:
+            self._miss(UNTRUSTED)
+            return None, False
+        # Anonymous executable memory (a JIT without a perf-map entry, vdso):
+        # trusted, unnamed. Cached only once the perf map has been read up to
+        # date: a read put off (time budget, or read less than REREAD_S ago)
+        # may still name it.
+        frame = Frame(name=f"{m.module}+0x{addr - m.start:x}", module=m.module, kernel=False)
+        if settled:
             self._miss(NO_SYMBOL)
-            return Frame(name=f"{m.module}+0x{addr - m.start:x}", module=m.module, kernel=False), True
-        self._miss(UNTRUSTED)
-        return None, False
+        elif deadline is not None and self._clock() >= deadline:
+            self._miss(TIME_BUDGET)
+        else:
+            self.misses += 1
+        return frame, settled
 
     def _file_frame(self, p: _Proc, m: Mapping, addr: int, look: int,
                     deadline: float | None) -> tuple[Frame, bool]:
@@ -528,28 +546,30 @@ class UserSymbols:
         frame = Frame(name=f"{m.module}+0x{addr - m.start + m.offset:x}", module=m.module, kernel=False)
         return frame, cause != TIME_BUDGET
 
-    def _jit_name(self, pid: int, p: _Proc, addr: int, deadline: float | None) -> str | None:
+    def _jit_name(self, pid: int, p: _Proc, addr: int,
+                  deadline: float | None) -> tuple[str | None, bool]:
+        """The perf-map name at `addr`, and whether the perf map was just read up to date."""
         if p.perf_map is not None:
             name = p.perf_map.lookup(addr)
             if name is not None:
-                return name
+                return name, True
         now = self._clock()
-        if p.dead_since is not None or now - p.perf_map_read_at < REREAD_S:
-            return None
-        if deadline is not None and now >= deadline:
-            return None
+        if p.dead_since is not None:
+            return None, True  # nothing more will be written
+        if now - p.perf_map_read_at < REREAD_S or (deadline is not None and now >= deadline):
+            return None, False
         p.perf_map_read_at = now
         if p.perf_map is None:
             euid = process_euid(pid, self._proc_root)
-            if euid is None:
-                return None
+            if euid is None:  # gone
+                return None, True
             p.perf_map = PerfMap((f"{self._proc_root}/{pid}/root/tmp/perf-{pid}.map",
                                   f"/tmp/perf-{pid}.map"), owners={0, euid})
         before = set(p.perf_map.errors)
-        p.perf_map.refresh(deadline, self._clock)
+        complete = p.perf_map.refresh(deadline, self._clock)
         for cause in p.perf_map.errors - before:
             self._errors[cause] += 1
-        return p.perf_map.lookup(addr)
+        return p.perf_map.lookup(addr), complete
 
     def evict(self, *, force: bool = False) -> int:
         """Forget processes dead for longer than the grace period; return how many."""

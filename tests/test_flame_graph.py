@@ -134,7 +134,7 @@ def test_search_counts_each_nanosecond_once() -> None:
 
 
 def test_folded_lines_of_a_node_are_offtops_folded_format() -> None:
-    evil = [stack(1, 5 * MS, k("sched;ule"), u("my func", "bad\nname"), comm="x [red]y")]
+    evil = [stack(1, 5 * MS, k("sched;ule"), u("my\u3000func", "bad\nname"), comm="x [red]y")]
     tree = FlameTree(STACKS + evil)
     work = node_at(tree, "main", "work")
     assert tree.folded_lines(work) == [

@@ -545,3 +545,18 @@ def test_mutated_mangled_names_never_raise() -> None:
                 i = rng.randrange(2, len(name))
                 name[i:i + rng.randint(0, 1)] = rng.choice(alphabet) * rng.randint(0, 2)
             assert isinstance(demangle("".join(name)), str)
+
+
+def test_a_perf_map_read_put_off_by_the_time_budget_names_the_frame_later(
+        mapper: Callable[..., tuple[int, list[int]]], perf_map_of: Callable[[int], Path]) -> None:
+    now = [100.0]
+    pid, (jit, *_) = mapper()
+    u = UserSymbols(clock=lambda: now[0])
+    # No perf map yet: unnamed, not for good (a runtime may write it later).
+    assert [f.name for f in u.resolve_stack(pid, [jit + 4])] == ["anon+0x4"]
+    perf_map_of(pid).write_bytes(b"%x 40 late_jit\n" % jit)
+    now[0] += 2
+    # Past the deadline the perf map is not read: unnamed, uncached, counted.
+    assert [f.name for f in u.resolve_stack(pid, [jit + 4], deadline=now[0] - 1)] == ["anon+0x4"]
+    assert u.errors == {TIME_BUDGET: 1}
+    assert [f.name for f in u.resolve_stack(pid, [jit + 4], deadline=now[0] + 1)] == ["late_jit"]

@@ -106,17 +106,35 @@ def parse_elf_symbols(pread: Callable[[int, int], bytes], size: int,
                 continue
             table = pread(sh[4], sh[5])
             strings = pread(strtab[4], strtab[5])
-            for name_off, _info, _other, shndx, value, _size in _SYM.iter_unpack(
-                    table[:len(table) - len(table) % _SYM.size]):
-                if shndx == 0 or value == 0 or name_off >= len(strings):
-                    continue
-                end = strings.find(b"\0", name_off, name_off + 64)
-                if end < 0:
-                    continue
-                name = strings[name_off:end].decode("ascii", "replace")
-                if name in wanted and name not in found:
+            for name in wanted - found.keys():
+                value = _find_symbol(table, strings, name)
+                if value is not None:
                     found[name] = value
     return ElfInfo(segments=tuple(segments), symbols=found)
+
+
+def _find_symbol(table: bytes, strings: bytes, name: str) -> int | None:
+    """The value of the defined symbol `name` in a symbol table, found at C speed.
+
+    Rather than unpacking every entry in Python (a hostile file can hold
+    hundreds of thousands), the name is looked up in the string table, and
+    the entries whose st_name is its offset by bytes.find.
+    """
+    # Linkers share string tails ("Version" inside "Py_Version"): any place the
+    # name ends in a NUL may be the one a symbol points at.
+    needle = name.encode() + b"\0"
+    pos = strings.find(needle)
+    while pos >= 0:
+        ref = pos.to_bytes(4, "little")
+        hit = table.find(ref)
+        while hit >= 0:
+            if hit % _SYM.size == 0 and hit + _SYM.size <= len(table):
+                _name, _info, _other, shndx, value, _size = _SYM.unpack_from(table, hit)
+                if shndx != 0 and value != 0:
+                    return int(value)
+            hit = table.find(ref, hit + 1)
+        pos = strings.find(needle, pos + 1)
+    return None
 
 
 def load_bias(info: ElfInfo, mapping: Mapping) -> int | None:

@@ -46,6 +46,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from offtop.model import Frame, StackRow
+from offtop.report import fold_name
 from offtop.safe_text import printable
 from offtop.units import format_ns
 from offtop.widgets.render import KERNEL_STYLE, USER_STYLE
@@ -62,12 +63,6 @@ _KIND_NAMES = {ROOT: "scope", GROUP: "task", KERNEL: "kernel", USER: "user", UNK
 NodeKey = tuple[int, str]
 #: A node's place in the tree: the keys from the root down to it.
 NodePath = tuple[NodeKey, ...]
-
-
-def _fold_name(name: str) -> str:
-    # flamegraph.pl splits frames on ';' and the count on the last space;
-    # a control character could split a line.
-    return printable(name).replace(";", ":").replace(" ", "_") or "[unknown]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,11 +325,11 @@ class FlameTree:
         """
         merged: dict[str, int] = {}
         for s in self.stacks_under(node):
-            parts = [_fold_name(s.comm)]
+            parts = [fold_name(s.comm)]
             if self.show_user:
-                parts += [_fold_name(f.name) for f in reversed(s.user)]
+                parts += [fold_name(f.name) for f in reversed(s.user)]
             if self.show_kernel:
-                parts += [_fold_name(f.name) for f in reversed(s.kernel)]
+                parts += [fold_name(f.name) for f in reversed(s.kernel)]
             line = ";".join(parts)
             merged[line] = merged.get(line, 0) + s.offcpu_ns
         rows = sorted(merged.items(), key=lambda kv: (-kv[1], kv[0]))
