@@ -61,7 +61,7 @@ from offtop.safe_text import decode
 from offtop.source import SourceInfo, local_info
 from offtop.symbols import KernelSymbols, UserSymbols
 from offtop.targets import TargetWatch, task_start_time
-from offtop.unwind import StopReason, Unwinder
+from offtop.unwind import StopReason, Unwinder, UnwindResult
 
 __all__ = ["BpfSource", "EngineConfig", "EngineError"]
 
@@ -148,8 +148,9 @@ class BpfSource:
         self._before: dict[int, _Before] = {}  # tid -> its block from before the start
         # User stacks unwound with call-frame information while the thread was
         # blocked, by (tid, switch-out time): the block's identity, which its
-        # long-block event carries as end - duration.
-        self._unwound: dict[tuple[int, int], tuple[Frame, ...]] = {}
+        # long-block event carries as end - duration. Addresses, symbolized at
+        # each use (a file may load over several sub-ticks' budgets).
+        self._unwound: dict[tuple[int, int], tuple[int, UnwindResult]] = {}
         self._ring: PerfRing | None = None
         self._blocked: BlockedNowReader | None = None
         self._stats: ProbeStats | None = None
@@ -450,9 +451,24 @@ class BpfSource:
             before = self._before.pop(tid, None)
             if before is None:
                 return (), (), True
-            return before.kernel, self._unwound.pop((tid, before.ts), ()), True
-        user = self._unwound.pop((tid, ts), None) if ts is not None else None
+            return before.kernel, self._unwound_frames((tid, before.ts), deadline, pop=True) \
+                or (), True
+        user = self._unwound_frames((tid, ts), deadline, pop=True) if ts is not None else None
         return self._kernel(ks), user if user is not None else self._user(tgid, us, deadline), False
+
+    def _unwound_frames(self, key: tuple[int, int], deadline: float | None,
+                        *, pop: bool = False) -> tuple[Frame, ...] | None:
+        """The symbolized frames of a block unwound while it lasted (None: not unwound)."""
+        hit = self._unwound.pop(key, None) if pop else self._unwound.get(key)
+        if hit is None or self._usyms is None:
+            return None
+        pid, r = hit
+        frames = self._usyms.resolve_stack(pid, r.addresses, deadline=deadline)
+        if r.stop_reason == StopReason.MAX_FRAMES:
+            return (*frames, Frame(name=MARK_DEPTH_LIMIT))
+        if not r.complete and not (frames and frames[-1].name == MARK_TRUNCATED):
+            return (*frames, Frame(name=MARK_TRUNCATED))
+        return frames
 
     def _kernel(self, sid: int) -> tuple[Any, ...]:
         assert self.stacks is not None
@@ -480,22 +496,31 @@ class BpfSource:
     def _blocked_now(self) -> tuple[list[BlockedNow], set[tuple[str, int]]]:
         assert self._blocked is not None
         rows, live = self._blocked.read()
-        deadline = self._clock() + self.config.symbol_budget_s
-        unwind_until = self._clock() + self.config.unwind_budget_s
+        symbols = _Budget(self.config.symbol_budget_s, self._clock)
+        unwinding = _Budget(self.config.unwind_budget_s, self._clock)
         out = []
         for b in rows:
             if not self.targets.accepts(b.pid, b.tid):
                 continue
             before = bool(b.state & ST_BEFORE_START)
-            user = self._unwound_user(b.pid, b.tid, b.ts, b.ubp, unwind_until, deadline)
-            if before:
-                pre = self._before.get(b.tid)
-                kernel = pre.kernel if pre is not None else ()
-                user = user or ()
-            else:
-                kernel = self._kernel(b.kstack)
-                if user is None:
+            with unwinding:
+                unwound = self._unwound_user(b.pid, b.tid, b.ts, b.ubp, unwinding.deadline(),
+                                             None)
+            with symbols:
+                deadline = symbols.deadline()
+                if unwound is not None:
+                    unwound = self._unwound_frames((b.tid, b.ts), deadline)
+                if before:
+                    pre = self._before.get(b.tid)
+                    kernel = pre.kernel if pre is not None else ()
+                    user = unwound or ()
+                else:
+                    kernel = self._kernel(b.kstack)
                     user = self._user(b.pid, b.ustack, deadline)
+                    # The unwound stack is the whole truth, once its names are
+                    # there (a big file may take a few sub-ticks' budgets).
+                    if unwound is not None and _resolved(unwound) >= _resolved(user):
+                        user = unwound
             out.append(BlockedNow(
                 pid=b.pid, tid=b.tid, comm=_comm_of(b.pid, b.tid), state=state_name(b.state),
                 blocked_ns=b.waited_ns, kernel=kernel, user=user, before_start=before,
@@ -506,7 +531,7 @@ class BpfSource:
         return out, live
 
     def _unwound_user(self, pid: int, tid: int, ts: int, ubp: int, until: float,
-                      deadline: float) -> tuple[Frame, ...] | None:
+                      deadline: float | None) -> tuple[Frame, ...] | None:
         """The user stack of a blocked thread by call-frame information (once per block).
 
         None when it cannot be had (no user stacks, over the time budget, the
@@ -515,21 +540,17 @@ class BpfSource:
         if self.unwinder is None or self._usyms is None:
             return None
         key = (tid, ts)
-        frames = self._unwound.get(key)
-        if frames is not None:
-            return frames
-        if self._clock() > until:
-            return None
-        r = self.unwinder.unwind_blocked(pid, tid, bp=ubp or None)
-        if not r.addresses or r.stop_reason in (StopReason.NOT_BLOCKED, StopReason.THREAD_RAN):
-            return None
-        frames = self._usyms.resolve_stack(pid, r.addresses, deadline=deadline)
-        if r.stop_reason == StopReason.MAX_FRAMES:
-            frames = (*frames, Frame(name=MARK_DEPTH_LIMIT))
-        elif not r.complete and not (frames and frames[-1].name == MARK_TRUNCATED):
-            frames = (*frames, Frame(name=MARK_TRUNCATED))
-        self._unwound[key] = frames
-        return frames
+        if key not in self._unwound:
+            if self._clock() > until:
+                return None
+            r = self.unwinder.unwind_blocked(pid, tid, bp=ubp or None)
+            if not r.addresses or r.stop_reason in (StopReason.NOT_BLOCKED,
+                                                    StopReason.THREAD_RAN):
+                return None
+            self._unwound[key] = (pid, r)
+        if deadline is None:
+            return ()  # unwound; symbolized by the caller
+        return self._unwound_frames(key, deadline)
 
     def _build(self, elapsed: float) -> Snapshot:
         assert self.stacks is not None and self._ring is not None and self._stats is not None
@@ -606,6 +627,30 @@ class BpfSource:
 
 
 _SELF_PID = os.getpid()
+
+
+class _Budget:
+    """Seconds of one kind of work left in a pass, spent as it is measured (`with`)."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float]) -> None:
+        self.left = seconds
+        self._clock = clock
+        self._t0 = 0.0
+
+    def deadline(self) -> float:
+        """When this work must stop if it ran alone from now."""
+        return self._clock() + max(0.0, self.left)
+
+    def __enter__(self) -> _Budget:
+        self._t0 = self._clock()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.left -= self._clock() - self._t0
+
+
+def _resolved(frames: tuple[Frame, ...]) -> int:
+    return sum(1 for f in frames if not f.unknown)
 
 
 def _cgroup_relative(path: str) -> str:
