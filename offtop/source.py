@@ -185,6 +185,10 @@ def _is_seconds(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e11
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1 << 64
+
+
 def _is_text(v: object) -> bool:
     return type(v) is str
 
@@ -199,6 +203,7 @@ def _is_counts(v: object) -> bool:
 
 _COUNT = _Kind("a whole number from 0 to 2^64", _is_count)
 _SECONDS = _Kind("a number of seconds", _is_seconds)
+_NUMBER = _Kind("a number from 0 to 2^64", _is_number)
 _TEXT = _Kind("a string", _is_text)
 _TEXTS = _Kind("a list of strings", _is_text_list)
 _COUNTS = _Kind("an object of whole numbers", _is_counts)
@@ -224,12 +229,18 @@ _ROWS: dict[str, _Spec] = {
     "blocked_now": {**_STACK_BASE, "blocked_ns": (_COUNT, True)},
 }
 _TOP: _Spec = {"time": (_SECONDS, True), "interval_s": (_SECONDS, True),
-               "threshold_ns": (_COUNT, True), "seq": (_COUNT, False)}
-_STATS: _Spec = {"stack_errors_by_cause": (_COUNTS, False), "drops": (_COUNTS, False)} | {
+               "threshold_ns": (_COUNT, True), "seq": (_COUNT, False),
+               "notices": (_TEXTS, False), "finished": (_TEXT, False)}
+_STATS: _Spec = {
+    "stack_errors_by_cause": (_COUNTS, False), "drops": (_COUNTS, False),
+    "symbol_errors": (_COUNTS, False), "offtop_cpu_pct": (_NUMBER, False),
+} | {
     name: (_COUNT, False)
     for name in ("events", "lost", "events_total", "lost_total", "truncated_stacks",
                  "symbol_misses", "agg_entries", "stacks_used", "stacks_capacity",
-                 "stacks_reclaimed", "probe_run_ns", "probe_runs")
+                 "stacks_reclaimed", "probe_run_ns", "probe_runs", "flood_threshold_ns",
+                 "symbol_deadline_misses", "depth_limited_stacks", "user_stacks_lost",
+                 "offtop_rss_bytes")
 }
 
 
@@ -289,12 +300,15 @@ def parse_snapshot_line(line: str | bytes) -> Snapshot:
         raise RecordingError(f"not JSON ({e.msg} at column {e.colno})") from None
     except RecursionError:
         raise RecordingError("JSON nested too deeply") from None
+    except RecordingError:  # from _refuse_constant
+        raise
     except ValueError as e:  # e.g. an integer of more than 4,300 digits
         raise RecordingError(f"not JSON ({e})") from None
     d = _check_snapshot(obj)
     try:
         return snapshot_from_json(d)
-    except (KeyError, TypeError, ValueError, OverflowError) as e:  # a case the checks missed
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        # A field added to the codec since the checks above were written.
         raise RecordingError(f"not a snapshot ({type(e).__name__}: {e})") from None
 
 

@@ -300,7 +300,7 @@ def test_no_headers_names_the_package(tmp_path: Path) -> None:
 _BROKEN_PROGRAM = textwrap.dedent("""
     import sys
     from importlib import resources
-    import offtop.bpf.engine as engine
+    import offtop.bpf.probe as probe
 
     class _Source:  # offcpu.c with one unchecked map lookup: the verifier says no
         def joinpath(self, name):
@@ -319,7 +319,7 @@ _BROKEN_PROGRAM = textwrap.dedent("""
         def files(pkg):
             return _Source()
 
-    engine.resources = _Resources
+    probe.resources = _Resources
     import offtop.cli
     sys.exit(offtop.cli.main(["--batch", "--count", "1"]))
 """)
