@@ -81,6 +81,8 @@ class Sample:
     #: The process's start time (clock ticks since boot; 0: unknown). With the
     #: pid it names the process: a reused pid starts its totals afresh.
     start: int = 0
+    #: The block began before offtop started (found in /proc; counted whole, once).
+    before_start: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,8 @@ class LongBlock:
     kernel: tuple[Frame, ...] = ()
     user: tuple[Frame, ...] = ()
     cgroup_id: int = 0
+    #: The block began before offtop started; its duration is estimated.
+    before_start: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +113,9 @@ class BlockedNow:
     blocked_ns: int
     kernel: tuple[Frame, ...] = ()
     user: tuple[Frame, ...] = ()
+    #: Blocked since before offtop started: `blocked_ns` is estimated from the
+    #: scheduler's clock (or counts from offtop's start when /proc does not say).
+    before_start: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,11 +173,14 @@ class StackRow:
     max_ns: int
     kernel: tuple[Frame, ...]
     user: tuple[Frame, ...]
+    #: Time of a block that began before offtop started (see Sample.before_start).
+    before_start: bool = False
 
     @property
     def key(self) -> str:
         """A stable identity: the same task, state and frames give the same key."""
-        return stack_key(self.tid, self.state, self.kernel, self.user)
+        state = self.state + ("<" if self.before_start else "")
+        return stack_key(self.tid, state, self.kernel, self.user)
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,7 +377,7 @@ class Aggregator:
             if acc is None:
                 acc = threads[s.tid] = _Acc(pid=s.pid, comm=s.comm)
             acc.add(s)
-            skey = (s.tid, s.state, s.kernel, s.user)
+            skey = (s.tid, s.state + ("<" if s.before_start else ""), s.kernel, s.user)
             cur = stacks.get(skey)
             if cur is None:
                 stacks[skey] = [s.offcpu_ns, s.count, s.max_ns]
@@ -414,7 +424,8 @@ class Aggregator:
                     pid=stack_meta[k][0],
                     tid=k[0],
                     comm=stack_meta[k][1],
-                    state=k[1],
+                    state=k[1].rstrip("<"),
+                    before_start=k[1].endswith("<"),
                     offcpu_ns=v[0],
                     count=v[1],
                     max_ns=v[2],

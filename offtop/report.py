@@ -132,6 +132,7 @@ def snapshot_to_json(snap: Snapshot) -> dict[str, Any]:
                 "kernel": _frames_json(s.kernel),
                 "user": _frames_json(s.user),
                 "user_modules": _modules_json(s.user),
+                "before_start": s.before_start,
             }
             for s in snap.stacks
         ],
@@ -144,6 +145,7 @@ def snapshot_to_json(snap: Snapshot) -> dict[str, Any]:
                 "state": b.state,
                 "duration_ns": b.duration_ns,
                 "cgroup_id": b.cgroup_id,
+                "before_start": b.before_start,
                 "kernel": _frames_json(b.kernel),
                 "user": _frames_json(b.user),
                 "user_modules": _modules_json(b.user),
@@ -157,6 +159,7 @@ def snapshot_to_json(snap: Snapshot) -> dict[str, Any]:
                 "comm": b.comm,
                 "state": b.state,
                 "blocked_ns": b.blocked_ns,
+                "before_start": b.before_start,
                 "kernel": _frames_json(b.kernel),
                 "user": _frames_json(b.user),
                 "user_modules": _modules_json(b.user),
@@ -249,6 +252,7 @@ def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
                 offcpu_ns=s["offcpu_ns"],
                 count=s["count"],
                 max_ns=s.get("max_ns", 0),
+                before_start=bool(s.get("before_start", False)),
                 kernel=_frames(s["kernel"], True),
                 user=_frames(s["user"], False, s.get("user_modules", ())),
             )
@@ -265,6 +269,7 @@ def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
                 kernel=_frames(b["kernel"], True),
                 user=_frames(b["user"], False, b.get("user_modules", ())),
                 cgroup_id=b.get("cgroup_id", 0),
+                before_start=bool(b.get("before_start", False)),
             )
             for b in d.get("long_blocks", ())
         ),
@@ -275,6 +280,7 @@ def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
                 comm=b["comm"],
                 state=b["state"],
                 blocked_ns=b["blocked_ns"],
+                before_start=bool(b.get("before_start", False)),
                 kernel=_frames(b["kernel"], True),
                 user=_frames(b["user"], False, b.get("user_modules", ())),
             )

@@ -28,6 +28,7 @@ def c_fields(struct: str) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("c_name,py", [
     ("start_rec", decode.StartRecord), ("agg_key", decode.AggKey),
     ("agg_val", decode.AggValue), ("offcpu_event", decode.OffcpuEvent),
+    ("acc_rec", decode.AccRecord),
 ])
 def test_mirrors_match_the_c_structs(c_name: str, py: type[ct.Structure]) -> None:
     fields = c_fields(c_name)
@@ -44,12 +45,25 @@ def test_counter_slots_match_the_c_defines() -> None:
     assert int(defines["C_MAX"]) == len(decode.COUNTERS)
 
 
-def test_event_decoding_and_states() -> None:
-    ev = decode.OffcpuEvent(end_ns=5, delta_ns=7, cgroup_id=9, tgid=1, tid=2, ustack=-14,
-                            kstack=3, state=0x2, cpu=1, comm=b"a[b]\0junk")
-    raw = decode.decode_event(bytes(ev))
-    assert (raw.delta_ns, raw.tid, raw.ustack, raw.comm) == (7, 2, -14, "a[b]")
+def test_bulk_event_decoding_gives_each_field_in_order() -> None:
+    """EVENT_STRUCT reads a raw event field by field, in EVENT_FIELDS order.
+
+    Every field has a distinct value, so two swapped fields (tgid and tid,
+    say) fail here, not only a wrong size.
+    """
+    values = {"end_ns": 5, "delta_ns": 7, "cgroup_id": 9, "tgid": 11, "tid": 13,
+              "ustack": -14, "kstack": 3, "state": 0x2, "cpu": 1, "comm": b"a[b]"}
+    ev = decode.OffcpuEvent(**values)
+    got = decode.EVENT_STRUCT.unpack(bytes(ev))
+    assert [f[0] for f in decode.OffcpuEvent._fields_] == list(decode.EVENT_FIELDS)
+    assert dict(zip(decode.EVENT_FIELDS, got, strict=True)) == {
+        **values, "comm": b"a[b]".ljust(16, b"\0")}
+    assert decode.decode_comm(got[-1]) == "a[b]"
+
+
+def test_states_and_flags() -> None:
     assert decode.state_name(0x2) == "D" and decode.state_name(0x100) == "R"
+    assert decode.state_name(0x1 | decode.ST_BEFORE_START) == "S"
     assert decode.state_mask("SD") == 0x3
     with pytest.raises(ValueError, match="unknown state"):
         decode.state_mask("SQ")

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from offtop.model import Aggregator, Sample, Snapshot
+from offtop.model import MARK_TRUNCATED, Aggregator, Sample, Snapshot
 from offtop.symbols import Mapping, UserSymbols
 from tests.conftest import ROOT, offtop_json, task_of, wait_until
 
@@ -340,7 +340,9 @@ class _FakeImage:
         return off
 
     def lookup(self, vaddr: int) -> str | None:
-        return self.names.get(vaddr)
+        # Each function is 0x100 bytes long (callers are looked up at return address - 1).
+        start = max((a for a in self.names if a <= vaddr < a + 0x100), default=None)
+        return None if start is None else self.names[start]
 
 
 class _FakeElfCache:
@@ -349,7 +351,7 @@ class _FakeElfCache:
     def __init__(self) -> None:
         self.files: dict[str, _FakeImage] = {}
 
-    def get(self, path: str) -> _FakeImage | None:
+    def get(self, path: str, *, deadline: float | None = None) -> _FakeImage | None:
         return self.files.get(path)
 
 
@@ -375,7 +377,8 @@ def test_user_symbols_never_reuse_a_dead_process_cache() -> None:
     _fake_process(cache, starts, 4242, {0x1000: "old_main", 0x2000: "old_wait"})
     syms = UserSymbols(clock=lambda: now[0], start_time=starts.get, grace_s=5.0,
                        maps=_fake_maps(starts), elf_cache=cache)  # type: ignore[arg-type]
-    assert [f.name for f in syms.resolve_stack(4242, [0x1000, 0x2000])] == ["old_main", "old_wait"]
+    # Callers are return addresses, looked up at address - 1: 0x2001 is in old_wait.
+    assert [f.name for f in syms.resolve_stack(4242, [0x1000, 0x2001])] == ["old_main", "old_wait"]
 
     # The process exits; within the grace period its frames are still known.
     del starts[4242]
@@ -385,8 +388,8 @@ def test_user_symbols_never_reuse_a_dead_process_cache() -> None:
     # A new process gets pid 4242 (another start time, another image).
     starts[4242] = 2000
     _fake_process(cache, starts, 4242, {0x1000: "new_main", 0x3000: "new_poll"})
-    frames = syms.resolve_stack(4242, [0x1000, 0x2000, 0x3000])
-    assert [f.name for f in frames] == ["new_main", "[img-4242-2000+0x2000]", "new_poll"]
+    frames = syms.resolve_stack(4242, [0x1000, 0x2001, 0x3001])
+    assert [f.name for f in frames] == ["new_main", "img-4242-2000+0x2001", "new_poll"]
     assert syms.cached_processes == 1
 
     # Dead and past the grace period: forgotten.
@@ -395,8 +398,8 @@ def test_user_symbols_never_reuse_a_dead_process_cache() -> None:
     now[0] = 100.0
     assert syms.evict() == 1
     assert syms.cached_processes == 0
-    # A pid with no process resolves to bare addresses, never to an old name.
-    assert syms.resolve_stack(4242, [0x1000])[0].name == "0x1000"
+    # A pid with no process: nothing can be trusted (a marked stack), never an old name.
+    assert [f.name for f in syms.resolve_stack(4242, [0x1000])] == [MARK_TRUNCATED]
 
 
 def test_user_symbols_stay_bounded() -> None:

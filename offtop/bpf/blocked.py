@@ -35,10 +35,12 @@ class Blocked:
 
     tid: int
     pid: int
-    state: int
+    state: int  #: normalized state bits, with ST_BEFORE_START for a seeded record
     waited_ns: int
     ustack: int
     kstack: int
+    ts: int  #: when it switched out (CLOCK_MONOTONIC ns): with tid, names this block
+    ubp: int  #: its user rbp then (0: not taken)
 
 
 def _thread_exists(pid: int, tid: int) -> bool:
@@ -98,7 +100,8 @@ class BlockedNowReader:
                 self._reap(tid, slot)  # exited while asleep: never switched in again
                 continue
             if waited >= self._min_ns:
-                rows.append(Blocked(tid, v.tgid, v.state, waited, v.ustack, v.kstack))
+                rows.append(Blocked(tid, v.tgid, v.state, waited, v.ustack, v.kstack, v.ts,
+                                    v.ubp))
         rows.sort(key=lambda b: (-b.waited_ns, b.tid))
         return rows[: self._limit], live
 

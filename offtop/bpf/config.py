@@ -49,6 +49,9 @@ class EngineConfig:
     event_budget_per_s: int = 100_000
     #: Symbolizing may take at most this share of each sub-tick.
     symbol_budget_s: float = 0.05
+    #: Unwinding blocked threads' user stacks (call-frame information) may take
+    #: at most this much of each snapshot; the rest wait for the next one.
+    unwind_budget_s: float = 0.05
     exclude_self: bool = True
     scope: str = field(default="", compare=False)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes as ct
 import itertools
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 from offtop import safe_text
@@ -47,8 +46,8 @@ COUNTERS = (
 
 
 def state_name(bits: int) -> str:
-    """The letter of a normalized state value ('?' if unknown)."""
-    return STATE_BITS.get(bits, "?")
+    """The letter of a normalized state value ('?' if unknown), flags ignored."""
+    return STATE_BITS.get(bits & 0x1FF, "?")
 
 
 def state_mask(letters: str) -> int:
@@ -77,7 +76,19 @@ class StartRecord(ct.Structure):
         ("kstack", ct.c_int32),
         ("skip", ct.c_uint32),
         ("cg_gen", ct.c_uint32),
+        ("upc", ct.c_uint64),
+        ("usp", ct.c_uint64),
+        ("ubp", ct.c_uint64),
     ]
+
+
+#: start_rec.skip: the record was seeded by offtop for a thread blocked before it started.
+REC_SKIP, REC_NO_USER, REC_SEEDED = 1, 2, 4
+#: A state bit of blocks that began before offtop started (offcpu.c ST_BEFORE_START).
+ST_BEFORE_START = 0x80000000
+#: Bit 63 of a user-stack address: the frame came from call-frame information
+#: (offcpu.c LEAF_CALLER_TAG), not from the frame-pointer chain.
+LEAF_CALLER_TAG = 1 << 63
 
 
 class AccRecord(ct.Structure):
@@ -186,25 +197,12 @@ class OffcpuEvent(ct.Structure):
     ]
 
 
-# The same layout for bulk decoding of raw perf-buffer bytes.
+# The same layout for bulk decoding of raw perf-buffer bytes: tuples of these
+# fields, in this order (the engine unpacks them so).
 EVENT_STRUCT = struct.Struct("<QQQIIiiII16s")
+EVENT_FIELDS = ("end_ns", "delta_ns", "cgroup_id", "tgid", "tid", "ustack", "kstack", "state",
+                "cpu", "comm")
 assert EVENT_STRUCT.size == ct.sizeof(OffcpuEvent)
-
-
-@dataclass(frozen=True, slots=True)
-class RawEvent:
-    """A decoded long block, stacks still as ids."""
-
-    end_ns: int
-    delta_ns: int
-    cgroup_id: int
-    tgid: int
-    tid: int
-    ustack: int
-    kstack: int
-    state: int
-    cpu: int
-    comm: str
 
 
 def decode_comm(raw: bytes) -> str:
@@ -215,9 +213,3 @@ def decode_comm(raw: bytes) -> str:
     on a terminal escapes them, see `offtop.safe_text`).
     """
     return safe_text.decode(raw.split(b"\0", 1)[0])
-
-
-def decode_event(buf: bytes | memoryview, offset: int = 0) -> RawEvent:
-    """Decode one `struct offcpu_event` at `offset` in `buf`."""
-    end, delta, cg, tgid, tid, us, ks, st, cpu, comm = EVENT_STRUCT.unpack_from(buf, offset)
-    return RawEvent(end, delta, cg, tgid, tid, us, ks, st, cpu, decode_comm(comm))

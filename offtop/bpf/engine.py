@@ -15,6 +15,7 @@ is read in bounded batches and symbolizing has a time budget per sub-tick.
 
 from __future__ import annotations
 
+import os
 import resource
 import threading
 import time
@@ -27,18 +28,40 @@ from offtop.bpf import environment
 from offtop.bpf.blocked import BlockedNowReader
 from offtop.bpf.compiler_memory import release_compiler_memory
 from offtop.bpf.config import EngineConfig, EngineError
-from offtop.bpf.decode import EVENT_STRUCT, decode_comm, state_name
+from offtop.bpf.decode import (
+    EVENT_STRUCT,
+    REC_NO_USER,
+    REC_SEEDED,
+    ST_BEFORE_START,
+    STATE_MASKS,
+    StartRecord,
+    decode_comm,
+    state_name,
+)
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.perf_ring import PerfRing
 from offtop.bpf.probe import Probe
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.stack_store import StackStore
-from offtop.model import Aggregator, BlockedNow, CaptureStats, LongBlock, Sample, Snapshot
+from offtop.bpf.user_stacks import UserStackRepair
+from offtop.model import (
+    MARK_DEPTH_LIMIT,
+    MARK_TRUNCATED,
+    Aggregator,
+    BlockedNow,
+    CaptureStats,
+    Frame,
+    LongBlock,
+    Sample,
+    Snapshot,
+)
+from offtop.proc_tasks import SchedClock, blocked_tasks, exec_start_ns, in_cgroup
 from offtop.procinfo import ProcessInfoCache
 from offtop.safe_text import decode
 from offtop.source import SourceInfo, local_info
 from offtop.symbols import KernelSymbols, UserSymbols
 from offtop.targets import TargetWatch, task_start_time
+from offtop.unwind import StopReason, Unwinder, UnwindResult
 
 __all__ = ["BpfSource", "EngineConfig", "EngineError"]
 
@@ -57,6 +80,14 @@ class _Interval:
     long_blocks: deque[LongBlock] = field(default_factory=deque)
     events: int = 0
     notices: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Before:
+    """A block that began before offtop started, as /proc showed it (see proc_tasks)."""
+
+    ts: int
+    kernel: tuple[Frame, ...]
 
 
 class _SelfCost:
@@ -111,7 +142,15 @@ class BpfSource:
         self.probe = Probe(config)
         self.flood = FloodControl(config.event_budget_per_s)
         self.targets = TargetWatch(config.pids, config.tids, config.cgroup)
+        self._cgroup_rel = _cgroup_relative(config.cgroup) if config.cgroup else "/"
         self.stacks: StackStore | None = None
+        self.unwinder: Unwinder | None = None
+        self._before: dict[int, _Before] = {}  # tid -> its block from before the start
+        # User stacks unwound with call-frame information while the thread was
+        # blocked, by (tid, switch-out time): the block's identity, which its
+        # long-block event carries as end - duration. Addresses, symbolized at
+        # each use (a file may load over several sub-ticks' budgets).
+        self._unwound: dict[tuple[int, int], tuple[int, UnwindResult]] = {}
         self._ring: PerfRing | None = None
         self._blocked: BlockedNowReader | None = None
         self._stats: ProbeStats | None = None
@@ -168,8 +207,12 @@ class BpfSource:
             self._ksyms = KernelSymbols()
         if self._usyms is None and cfg.user_stacks:
             self._usyms = UserSymbols()
+        repair = None
+        if cfg.user_stacks:
+            self.unwinder = Unwinder()
+            repair = UserStackRepair(self.unwinder, self.probe.set_leaf_rule)
         self.stacks = StackStore(self.probe, kernel_symbols=self._ksyms,
-                                 user_symbols=self._usyms,
+                                 user_symbols=self._usyms, repair=repair,
                                  capacity={"k": cfg.stack_entries, "u": cfg.ustack_entries},
                                  kernel_depth=cfg.kstack_depth, user_depth=cfg.ustack_depth)
         self._blocked = BlockedNowReader(self.probe, min_ns=cfg.blocked_min_ns,
@@ -177,10 +220,49 @@ class BpfSource:
         self._stats = ProbeStats(self.probe.prog_fd, window_s=cfg.stats_window_s,
                                  clock=self._clock)
         self._interval.notices.extend(self.targets.initially_gone())
+        self._seed_blocked_before_start()
         release_compiler_memory()
         now = self._clock()
         self._last_tick = self._last_subtick = now
         self._next_subtick = now + cfg.subtick_s
+
+    def _in_scope(self, pid: int, tid: int) -> bool:
+        cfg = self.config
+        if pid == _SELF_PID:
+            return False
+        if (cfg.pids or cfg.tids) and pid not in cfg.pids and tid not in cfg.tids:
+            return False
+        return cfg.cgroup is None or in_cgroup(pid, tid, self._cgroup_rel)
+
+    def _seed_blocked_before_start(self) -> None:
+        """Give the threads already blocked a record, as if the probe had seen them go.
+
+        Each is checked again afterwards: one that ran meanwhile (its
+        exec_start moved) may have been counted already or be blocked
+        elsewhere now, so its seed is taken back unless the probe took it.
+        """
+        cfg = self.config
+        letters = [c for c in cfg.states if c in STATE_MASKS]
+        armed_at = time.monotonic_ns()
+        found = blocked_tasks(letters, accept=self._in_scope, kthreads=cfg.kthreads,
+                              clock=SchedClock(), deadline=time.monotonic() + 1.0)
+        seeded = []
+        for t in found:
+            if self.probe.record_of(t.tid) is not None:
+                continue  # the probe saw it switch out: its record is the truth
+            ts = t.since_ns if t.since_ns is not None and t.since_ns < armed_at else armed_at
+            rec = StartRecord(ts=ts, tid=t.tid, tgid=t.pid,
+                              state=STATE_MASKS[t.state] | ST_BEFORE_START,
+                              ustack=-1, kstack=-1, cg_gen=0xFFFFFFFF,
+                              skip=REC_SEEDED | (0 if cfg.user_stacks else REC_NO_USER))
+            if self.probe.seed_record(t.tid, rec):
+                kernel = tuple(Frame(name=n, module="kernel", kernel=True) for n in t.kernel)
+                self._before[t.tid] = _Before(ts, kernel)
+                seeded.append((t, ts))
+        for t, ts in seeded:
+            if exec_start_ns(t.pid, t.tid) != t.exec_start:
+                self.probe.unseed(t.tid, ts)
+                self._before.pop(t.tid, None)
 
     def next_snapshot(self, interval_s: float, stop: Any) -> Snapshot | None:
         """Poll the ring until the interval ends, then build its snapshot."""
@@ -306,10 +388,12 @@ class BpfSource:
             for end_ns, delta, cg, tgid, tid, us, ks, st, _cpu, comm in sorted(self._event_tail):
                 if not self.targets.accepts(tgid, tid):
                     continue
+                kernel, user, before = self._frames_of(tgid, tid, st, us, ks, deadline,
+                                                       ts=end_ns - delta)
                 iv.long_blocks.append(LongBlock(
                     time=end_ns / 1e9 + wall, pid=tgid, tid=tid, comm=decode_comm(comm),
-                    state=state_name(st), duration_ns=delta, kernel=self._kernel(ks),
-                    user=self._user(tgid, us, deadline), cgroup_id=cg,
+                    state=state_name(st), duration_ns=delta, kernel=kernel, user=user,
+                    cgroup_id=cg, before_start=before,
                 ))
             self._event_tail.clear()
 
@@ -347,12 +431,44 @@ class BpfSource:
 
     def _sample(self, tgid: int, tid: int, st: int, us: int, ks: int, total: int,
                 count: int, mx: int, comm: bytes, from_event: bool, deadline: float) -> Sample:
+        kernel, user, before = self._frames_of(tgid, tid, st, us, ks, deadline)
         return Sample(
             pid=tgid, tid=tid, comm=decode_comm(comm), state=state_name(st),
             offcpu_ns=int(total), count=int(count), max_ns=int(mx),
-            kernel=self._kernel(ks), user=self._user(tgid, us, deadline),
-            from_event=from_event, start=self._start_of(tgid),
+            kernel=kernel, user=user, from_event=from_event, start=self._start_of(tgid),
+            before_start=before,
         )
+
+    def _frames_of(self, tgid: int, tid: int, st: int, us: int, ks: int, deadline: float,
+                   ts: int | None = None) -> tuple[tuple[Frame, ...], tuple[Frame, ...], bool]:
+        """(kernel frames, user frames, began before offtop) of one block.
+
+        A block from before the start has the stacks /proc showed (and the
+        user stack unwound meanwhile); a block whose thread was unwound while
+        blocked gets that user stack instead of the frame-pointer one.
+        """
+        if st & ST_BEFORE_START:
+            before = self._before.pop(tid, None)
+            if before is None:
+                return (), (), True
+            return before.kernel, self._unwound_frames((tid, before.ts), deadline, pop=True) \
+                or (), True
+        user = self._unwound_frames((tid, ts), deadline, pop=True) if ts is not None else None
+        return self._kernel(ks), user if user is not None else self._user(tgid, us, deadline), False
+
+    def _unwound_frames(self, key: tuple[int, int], deadline: float | None,
+                        *, pop: bool = False) -> tuple[Frame, ...] | None:
+        """The symbolized frames of a block unwound while it lasted (None: not unwound)."""
+        hit = self._unwound.pop(key, None) if pop else self._unwound.get(key)
+        if hit is None or self._usyms is None:
+            return None
+        pid, r = hit
+        frames = self._usyms.resolve_stack(pid, r.addresses, deadline=deadline)
+        if r.stop_reason == StopReason.MAX_FRAMES:
+            return (*frames, Frame(name=MARK_DEPTH_LIMIT))
+        if not r.complete and not (frames and frames[-1].name == MARK_TRUNCATED):
+            return (*frames, Frame(name=MARK_TRUNCATED))
+        return frames
 
     def _kernel(self, sid: int) -> tuple[Any, ...]:
         assert self.stacks is not None
@@ -380,17 +496,61 @@ class BpfSource:
     def _blocked_now(self) -> tuple[list[BlockedNow], set[tuple[str, int]]]:
         assert self._blocked is not None
         rows, live = self._blocked.read()
-        deadline = self._clock() + self.config.symbol_budget_s
+        symbols = _Budget(self.config.symbol_budget_s, self._clock)
+        unwinding = _Budget(self.config.unwind_budget_s, self._clock)
         out = []
         for b in rows:
             if not self.targets.accepts(b.pid, b.tid):
                 continue
+            before = bool(b.state & ST_BEFORE_START)
+            with unwinding:
+                unwound = self._unwound_user(b.pid, b.tid, b.ts, b.ubp, unwinding.deadline(),
+                                             None)
+            with symbols:
+                deadline = symbols.deadline()
+                if unwound is not None:
+                    unwound = self._unwound_frames((b.tid, b.ts), deadline)
+                if before:
+                    pre = self._before.get(b.tid)
+                    kernel = pre.kernel if pre is not None else ()
+                    user = unwound or ()
+                else:
+                    kernel = self._kernel(b.kstack)
+                    user = self._user(b.pid, b.ustack, deadline)
+                    # The unwound stack is the whole truth, once its names are
+                    # there (a big file may take a few sub-ticks' budgets).
+                    if unwound is not None and _resolved(unwound) >= _resolved(user):
+                        user = unwound
             out.append(BlockedNow(
                 pid=b.pid, tid=b.tid, comm=_comm_of(b.pid, b.tid), state=state_name(b.state),
-                blocked_ns=b.waited_ns, kernel=self._kernel(b.kstack),
-                user=self._user(b.pid, b.ustack, deadline),
+                blocked_ns=b.waited_ns, kernel=kernel, user=user, before_start=before,
             ))
+        if len(self._unwound) > 4096:  # blocks that ended unseen (short, or not events)
+            for key in list(self._unwound)[: len(self._unwound) - 2048]:
+                del self._unwound[key]
         return out, live
+
+    def _unwound_user(self, pid: int, tid: int, ts: int, ubp: int, until: float,
+                      deadline: float | None) -> tuple[Frame, ...] | None:
+        """The user stack of a blocked thread by call-frame information (once per block).
+
+        None when it cannot be had (no user stacks, over the time budget, the
+        thread ran meanwhile): the caller keeps the probe's stack.
+        """
+        if self.unwinder is None or self._usyms is None:
+            return None
+        key = (tid, ts)
+        if key not in self._unwound:
+            if self._clock() > until:
+                return None
+            r = self.unwinder.unwind_blocked(pid, tid, bp=ubp or None)
+            if not r.addresses or r.stop_reason in (StopReason.NOT_BLOCKED,
+                                                    StopReason.THREAD_RAN):
+                return None
+            self._unwound[key] = (pid, r)
+        if deadline is None:
+            return ()  # unwound; symbolized by the caller
+        return self._unwound_frames(key, deadline)
 
     def _build(self, elapsed: float) -> Snapshot:
         assert self.stacks is not None and self._ring is not None and self._stats is not None
@@ -464,6 +624,45 @@ class BpfSource:
             notices=iv.notices,
             finished=self._finished,
         )
+
+
+_SELF_PID = os.getpid()
+
+
+class _Budget:
+    """Seconds of one kind of work left in a pass, spent as it is measured (`with`)."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float]) -> None:
+        self.left = seconds
+        self._clock = clock
+        self._t0 = 0.0
+
+    def deadline(self) -> float:
+        """When this work must stop if it ran alone from now."""
+        return self._clock() + max(0.0, self.left)
+
+    def __enter__(self) -> _Budget:
+        self._t0 = self._clock()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.left -= self._clock() - self._t0
+
+
+def _resolved(frames: tuple[Frame, ...]) -> int:
+    return sum(1 for f in frames if not f.unknown)
+
+
+def _cgroup_relative(path: str) -> str:
+    """A cgroup v2 directory as /proc/PID/cgroup names it (relative to its mount)."""
+    from offtop.cgroups import cgroup2_mounts
+
+    p = os.path.realpath(path)
+    for mount in cgroup2_mounts():
+        m = str(mount)
+        if p == m or p.startswith(m.rstrip("/") + "/"):
+            return "/" + p[len(m):].strip("/")
+    return "/"
 
 
 def _comm_of(pid: int, tid: int) -> str:

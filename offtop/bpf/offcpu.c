@@ -88,9 +88,21 @@ struct start_rec {
     s32 kstack;
     u32 skip;       // REC_* flags, decided at the thread's first switch-out
     u32 cg_gen;     // CFG_CGROUP_GEN when cgroup_id was read (~0: never)
+    // The user registers at kernel entry, saved at switch-out (0: not taken).
+    // A blocked thread's stack does not change until it runs again, so
+    // Python unwinds it from these with the binaries' call-frame information.
+    u64 upc;
+    u64 usp;
+    u64 ubp;
 };
 #define REC_SKIP 1      // never recorded (kernel thread, offtop itself, outside -p/-t)
 #define REC_NO_USER 2   // no user stack to walk (kernel thread, io_uring/vhost worker)
+#define REC_SEEDED 4    // written by Python for a thread blocked before offtop started
+
+// A state bit Python sets in records it seeds: the block began before
+// offtop did. It travels with the block into its event or aggregate, so the
+// block is counted once, whole, and marked.
+#define ST_BEFORE_START 0x80000000
 
 // A thread's short blocks of one generation, summed in its own slot while
 // they keep the same state and stacks (the common case: a thread blocking in
@@ -165,6 +177,21 @@ BPF_PERCPU_ARRAY(ustack_len, u64, 1);
 BPF_TABLE("stacktrace", int, struct ustack_t, user_stacks, OFFTOP_USTACK_ENTRIES);
 #endif
 
+#if OFFTOP_USER_STACKS && defined(__x86_64__)
+// Where the return address of a frameless leaf sits, learned by Python from
+// the leaf's call-frame information: [sp + offset] for a leaf at `pc` in
+// process `tgid` (offset < 0: the leaf keeps a frame pointer, nothing to
+// add). A syscall wrapper sets up no frame, so a frame-pointer walk starting
+// at rbp skips its caller; with this, that caller is the second frame.
+struct leaf_key {
+    u32 tgid;
+    u32 pad;
+    u64 pc;
+};
+BPF_HASH(leaf_rules, struct leaf_key, s32, 16384);
+#define LEAF_CALLER_TAG (1ULL << 63)
+#endif
+
 // Per-thread records (see start_rec and the top of this file). Mappable, so
 // Python reads blocked-now from it without a system call per slot. A slot is
 // claimed with a compare-and-swap on its tid (two threads whose slots
@@ -173,7 +200,8 @@ BPF_TABLE("stacktrace", int, struct ustack_t, user_stacks, OFFTOP_USTACK_ENTRIES
 #define SLOT_PROBES 4
 BPF_F_TABLE("array", u32, struct start_rec, offcpu_slots, OFFTOP_SLOTS, BPF_F_MMAPABLE);
 // Threads that found no free slot among their SLOT_PROBES.
-BPF_HASH(offcpu_start, u32, struct start_rec, 4096);
+// Also where Python seeds the records of threads blocked before it started.
+BPF_HASH(offcpu_start, u32, struct start_rec, 16384);
 #define NO_SLOT 0xffffffff
 
 // Per-slot sums of short blocks, two per slot (index slot * 2 + generation
@@ -240,15 +268,8 @@ static __always_inline struct start_rec *find_rec_at(u32 tid, u32 *slot)
     return offcpu_start.lookup(&tid);
 }
 
-static __always_inline struct start_rec *find_rec(u32 tid)
-{
-    u32 slot;
-    return find_rec_at(tid, &slot);
-}
-
-// A record for a thread that has none (find_rec() said so; only the thread
-// itself, switching out, creates its record, so it cannot appear meanwhile).
-static __always_inline struct start_rec *new_rec(u32 tid)
+// A free slot near `tid`, claimed for it (NULL: none free).
+static __always_inline struct start_rec *claim_slot(u32 tid)
 {
 #pragma unroll
     for (u32 i = 0; i < SLOT_PROBES; i++) {
@@ -257,6 +278,16 @@ static __always_inline struct start_rec *new_rec(u32 tid)
         if (r && r->tid == 0 && __sync_val_compare_and_swap(&r->tid, 0, (u64)tid) == 0)
             return r;
     }
+    return NULL;
+}
+
+// A record for a thread that has none (find_rec() said so; only the thread
+// itself, switching out, creates its record, so it cannot appear meanwhile).
+static __always_inline struct start_rec *new_rec(u32 tid)
+{
+    struct start_rec *r = claim_slot(tid);
+    if (r)
+        return r;
     struct start_rec init = {};
     init.tid = tid;
     if (offcpu_start.insert(&tid, &init) != 0)
@@ -319,21 +350,24 @@ static __always_inline u32 classify(void *args, u32 tgid, u32 tid)
 // memory, at a frame pointer no frame can have: below the first page
 // (mmap_min_addr), not 8-byte aligned, or past the user address space.
 // 32-bit tasks go to the kernel's walker.
-static __always_inline int walk_user_stack(void *args)
+static __always_inline int walk_user_stack(void *args, struct start_rec *rec)
 {
     u32 zero = 0;
     struct ustack_scratch_t *st = ustack_scratch.lookup(&zero);
     if (!st)
         return -12;
     // The user registers saved at kernel entry (x86-64 struct pt_regs, whose
-    // layout entry_64.S fixes: bp at 32, ip at 128, cs at 136).
+    // layout entry_64.S fixes: bp at 32, ip at 128, cs at 136, sp at 152).
     struct task_struct *task = bpf_get_current_task_btf();
     char *regs = (char *)bpf_task_pt_regs(task);
-    u64 ip_cs[2] = {}, fp = 0;
-    bpf_probe_read_kernel(ip_cs, sizeof(ip_cs), regs + 128);  // ip, then cs
+    u64 ip_cs[4] = {}, fp = 0;     // ip, cs, flags, sp
+    bpf_probe_read_kernel(ip_cs, sizeof(ip_cs), regs + 128);
     bpf_probe_read_kernel(&fp, sizeof(fp), regs + 32);
     if ((ip_cs[1] & 3) != 3 || ip_cs[0] == 0)
         return -14;             // not user mode: nothing to walk
+    rec->upc = ip_cs[0];
+    rec->usp = ip_cs[3];
+    rec->ubp = fp;
     // The id is a hash of the frames, mixed in as they are read.
     u64 h = 0x9E3779B97F4A7C15ULL;
     u32 n;
@@ -347,7 +381,26 @@ static __always_inline int walk_user_stack(void *args)
         st->ip[0] = ip_cs[0];
         h = (h ^ ip_cs[0]) * 0x100000001B3ULL;
         n = 1;
+        // A frameless leaf whose return address Python has located: its
+        // caller goes second, read from the stack, before the rbp chain.
+        struct leaf_key lk = {};
+        lk.tgid = rec->tgid;
+        lk.pc = ip_cs[0];
+        s32 *off = leaf_rules.lookup(&lk);
+        if (off && *off >= 0 && *off < 4096) {
+            u64 ra = 0;
+            if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(ip_cs[3] + *off)) == 0 && ra) {
+                // Bit 63 (never set in a user address) tells Python this
+                // frame came from call-frame information, not from rbp.
+                st->ip[1] = ra | LEAF_CALLER_TAG;
+                h = (h ^ ra) * 0x100000001B3ULL;
+                h ^= h >> 29;
+                n = 2;
+            }
+        }
         for (u32 i = 1; i < OFFTOP_USTACK_DEPTH; i++) {
+            if (i < n)
+                continue;
             if (fp < 4096 || (fp & 7) || fp > 0x00007fffffffeff0ULL)
                 break;
             u64 frame[2];       // saved fp, return address
@@ -406,7 +459,24 @@ static __always_inline void on_switch_out(void *args, u32 tid, long prev_state, 
     // Every thread that switches out gets its record, whatever its state, so
     // that its switch-ins find it in its slot rather than miss and look in
     // the overflow hash.
-    struct start_rec *rec = find_rec(tid);
+    u32 slot;
+    struct start_rec *rec = find_rec_at(tid, &slot);
+    if (rec && slot == NO_SLOT && (rec->skip & REC_SEEDED)) {
+        // Python seeded this record in the overflow hash (the thread was
+        // blocked before offtop started; that block was counted when it
+        // ran again). Move it to a slot, where its switches are cheaper.
+        struct start_rec *moved = claim_slot(tid);
+        if (moved) {
+            moved->ts = 0;
+            moved->tgid = rec->tgid;
+            moved->skip = rec->skip & ~REC_SEEDED;
+            moved->cg_gen = ~0U;
+            offcpu_start.delete(&tid);
+            rec = moved;
+        } else {
+            rec->skip &= ~REC_SEEDED;
+        }
+    }
     if (!rec) {
         rec = new_rec(tid);
         if (!rec) {
@@ -433,12 +503,13 @@ static __always_inline void on_switch_out(void *args, u32 tid, long prev_state, 
 #endif
 
     s32 ustack = -1, kstack = -1;
+    rec->upc = 0;
 #if OFFTOP_USER_STACKS
     if (rec->skip & REC_NO_USER)
         ustack = -14;
     else
 #if defined(__x86_64__)
-        ustack = walk_user_stack(args);
+        ustack = walk_user_stack(args, rec);
 #else
         ustack = user_stacks.get_stackid(args, BPF_F_USER_STACK);
 #endif

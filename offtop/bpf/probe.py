@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes as ct
 import mmap
+import struct
 import time
 from collections.abc import Iterable, Iterator
 from importlib import resources
@@ -21,6 +22,7 @@ from offtop.bpf import environment
 from offtop.bpf.config import EngineConfig, EngineError
 from offtop.bpf.decode import (
     COUNTERS,
+    START_TID_OFFSET,
     AccRecord,
     StartRecord,
     free_slot,
@@ -33,6 +35,10 @@ PROBE_FUNCTION = b"tracepoint__sched__sched_switch"
 # offcpu.c's offtop_config slots.
 CFG_GEN = 0
 CFG_ARMED = 1
+#: offcpu.c SLOT_PROBES: a thread's record is in one of these slots from tid % slots.
+SLOT_PROBES = 4
+BPF_NOEXIST = 1
+_U64 = struct.Struct("<Q")
 
 #: An aggregated row as the probe keeps it, stacks still ids:
 #: (tgid, tid, state, ustack, kstack, total_ns, count, max_ns, comm bytes).
@@ -131,6 +137,47 @@ class Probe:
             if key is not None:
                 with contextlib.suppress(KeyError):
                     del self._table(name)[ct.c_uint32(key)]
+
+    def set_leaf_rule(self, tgid: int, pc: int, offset: int) -> None:
+        """Where the return address of the leaf at `pc` in `tgid` is: [sp + offset] (offcpu.c)."""
+        from bcc.libbcc import lib
+
+        table = self._table("leaf_rules")
+        key, leaf = table.Key(tgid, 0, pc), ct.c_int32(offset)
+        lib.bpf_update_elem(table.map_fd, ct.byref(key), ct.byref(leaf), 0)  # full: not taught
+
+    def seed_record(self, tid: int, rec: StartRecord) -> bool:
+        """Give a thread blocked before offtop started a record (overflow hash, never
+        replacing one the program made); True if written."""
+        from bcc.libbcc import lib
+
+        table = self._table("offcpu_start")
+        key = ct.c_uint32(tid)
+        return bool(lib.bpf_update_elem(table.map_fd, ct.byref(key), ct.byref(rec),
+                                        BPF_NOEXIST) == 0)
+
+    def record_of(self, tid: int) -> StartRecord | None:
+        """The record of one thread, wherever it is (slot or overflow hash)."""
+        assert self.slots_mm is not None
+        size = ct.sizeof(StartRecord)
+        for i in range(SLOT_PROBES):
+            idx = (tid + i) % self.config.start_entries
+            if _U64.unpack_from(self.slots_mm, idx * size + START_TID_OFFSET)[0] == tid:
+                return StartRecord.from_buffer_copy(self.slots_mm, idx * size)
+        table = self._table("offcpu_start")
+        try:
+            return StartRecord.from_buffer_copy(table[table.Key(tid)])
+        except KeyError:
+            return None
+
+    def unseed(self, tid: int, ts: int) -> None:
+        """Remove a seeded record that still holds `ts` (the thread ran meanwhile)."""
+        table = self._table("offcpu_start")
+        try:
+            if table[table.Key(tid)].ts == ts:
+                del table[table.Key(tid)]
+        except KeyError:
+            pass
 
     # --- reading ----------------------------------------------------------------
 

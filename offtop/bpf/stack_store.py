@@ -18,10 +18,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from offtop.model import MARK_DEPTH_LIMIT, MARK_USER_STACK_LOST, Frame
+from offtop.model import MARK_DEPTH_LIMIT, MARK_TRUNCATED, MARK_USER_STACK_LOST, Frame
 from offtop.symbols import KernelSymbols, UserSymbols
+
+if TYPE_CHECKING:
+    from offtop.bpf.user_stacks import UserStackRepair
 
 ENOMEM, EEXIST, EFAULT = 12, 17, 14
 
@@ -68,8 +71,10 @@ class StackStore:
         kernel_depth: int,
         user_depth: int,
         max_cached: int = 200_000,
+        repair: UserStackRepair | None = None,
     ) -> None:
         self._maps = maps
+        self._repair = repair
         self.kernel_symbols = kernel_symbols
         self.user_symbols = user_symbols
         self._capacity = dict(capacity)
@@ -133,13 +138,20 @@ class StackStore:
         addrs = self._maps.stack("u", sid)
         if not addrs:
             return ()
+        at_limit = len(addrs) >= self._udepth
+        cut = False
+        if self._repair is not None:
+            addrs, cut = self._repair.repair(pid, addrs)
         if deadline is not None and time.monotonic() > deadline:
             self.stats.symbol_deadline_misses += 1
         frames = self.user_symbols.resolve_stack(pid, addrs, deadline=deadline)
-        complete = not any(f.unknown for f in frames)
+        if cut and not (frames and frames[-1].name == MARK_TRUNCATED):
+            frames = (*frames, Frame(name=MARK_TRUNCATED))
+        complete = not any(f.unknown for f in frames) or (
+            cut and not any(f.unknown for f in frames[:-1]))
         if frames and frames[-1].unknown:
             self.stats.truncated += 1
-        if len(addrs) >= self._udepth:
+        if at_limit and not cut:
             frames = (*frames, Frame(name=MARK_DEPTH_LIMIT))
             self.stats.depth_limited += 1
         if complete:  # a miss may resolve later (a library not read yet, a time budget)

@@ -185,6 +185,22 @@ class Unwinder:
             return self._count(UnwindResult((), StopReason.THREAD_RAN))
         return result
 
+    def rule_for(self, pid: int, addr: int, *, exact: bool,
+                 maps: list[FileMapping] | None = None) -> Rule | None:
+        """The call-frame rule of the function at `addr` in process `pid`.
+
+        `exact`: `addr` is where a thread stopped (the leaf's pc); otherwise a
+        return address, looked up at `addr - 1`. None when no table covers it.
+        """
+        walk = _Walk(_NoMemory(), self._read_maps(pid) if maps is None else maps, self.tables)
+        m = walk.mapping(addr)
+        if m is None:
+            return None
+        rule = walk.rule(m, addr if exact else addr - 1)
+        if rule is None or isinstance(rule, bool) or rule.cfa == CfaKind.NONE:
+            return None
+        return rule
+
     def counters(self) -> dict[str, int]:
         """Every count, flat, for the engine's statistics: walks, frames, stops by
         reason ("stop:…"), failed stack reads by errno ("read:…"), files without a
@@ -247,6 +263,15 @@ class Unwinder:
             f = _Frame(ra, cfa, bp, {})
             m = nm
             exact_pc = rule.signal
+
+
+class _NoMemory:
+    """A walk that reads no memory (rule lookups only)."""
+
+    failures: dict[str, int] = {}
+
+    def u64(self, addr: int) -> int | None:
+        return None
 
 
 @dataclass(slots=True)
