@@ -488,10 +488,13 @@ class BpfSource:
         """
         if self._ring is None:
             return {}
-        want = set(tids)
         now = time.monotonic_ns()
-        return {tid: now - v.ts for tid, v, _ in self.probe.thread_records()
-                if tid in want and v.ts}
+        out = {}
+        for tid in tids:
+            rec = self.probe.record_of(tid)
+            if rec is not None and rec.ts:
+                out[tid] = now - rec.ts
+        return out
 
     def _blocked_now(self) -> tuple[list[BlockedNow], set[tuple[str, int]]]:
         assert self._blocked is not None
