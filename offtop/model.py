@@ -211,6 +211,8 @@ class CaptureStats:
     user_stacks_lost: int = 0
     #: Symbolization errors by cause (a hostile or odd file), cumulative.
     symbol_errors: Mapping[str, int] = field(default_factory=dict)
+    #: Python stacks that could not be read, by cause (cumulative).
+    python_failures: Mapping[str, int] = field(default_factory=dict)
     #: offtop's own cost: CPU (% of one core over the interval) and resident memory.
     offtop_cpu_pct: float = 0.0
     offtop_rss_bytes: int = 0

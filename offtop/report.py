@@ -75,6 +75,7 @@ def stats_to_json(s: CaptureStats) -> dict[str, Any]:
         "symbol_errors": dict(s.symbol_errors),
         "depth_limited_stacks": s.depth_limited_stacks,
         "user_stacks_lost": s.user_stacks_lost,
+        "python_failures": dict(s.python_failures),
         "offtop_cpu_pct": round(s.offtop_cpu_pct, 2),
         "offtop_rss_bytes": s.offtop_rss_bytes,
     }
@@ -205,6 +206,8 @@ def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
         symbol_errors={str(k): int(v) for k, v in dict(st.get("symbol_errors", {})).items()},
         depth_limited_stacks=int(st.get("depth_limited_stacks", 0)),
         user_stacks_lost=int(st.get("user_stacks_lost", 0)),
+        python_failures={str(k): int(v)
+                         for k, v in dict(st.get("python_failures", {})).items()},
         offtop_cpu_pct=float(st.get("offtop_cpu_pct", 0.0)),
         offtop_rss_bytes=int(st.get("offtop_rss_bytes", 0)),
     )

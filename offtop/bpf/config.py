@@ -52,6 +52,10 @@ class EngineConfig:
     #: Unwinding blocked threads' user stacks (call-frame information) may take
     #: at most this much of each snapshot; the rest wait for the next one.
     unwind_budget_s: float = 0.05
+    #: Python frames of blocked CPython threads (read from their memory, never stopped).
+    python_stacks: bool = True
+    #: Reading them may take at most this much of each snapshot.
+    python_budget_s: float = 0.02
     exclude_self: bool = True
     scope: str = field(default="", compare=False)
 

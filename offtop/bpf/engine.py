@@ -42,6 +42,7 @@ from offtop.bpf.flood import FloodControl
 from offtop.bpf.perf_ring import PerfRing
 from offtop.bpf.probe import Probe
 from offtop.bpf.probe_stats import ProbeStats
+from offtop.bpf.python_frames import BlockedThread, PythonFrames, merged_frames
 from offtop.bpf.stack_store import StackStore
 from offtop.bpf.user_stacks import UserStackRepair
 from offtop.model import (
@@ -57,6 +58,7 @@ from offtop.model import (
 )
 from offtop.proc_tasks import SchedClock, blocked_tasks, exec_start_ns, in_cgroup
 from offtop.procinfo import ProcessInfoCache
+from offtop.pystacks import PythonStacks
 from offtop.safe_text import decode
 from offtop.source import SourceInfo, local_info
 from offtop.symbols import KernelSymbols, UserSymbols
@@ -145,6 +147,7 @@ class BpfSource:
         self._cgroup_rel = _cgroup_relative(config.cgroup) if config.cgroup else "/"
         self.stacks: StackStore | None = None
         self.unwinder: Unwinder | None = None
+        self.python: PythonFrames | None = None
         self._before: dict[int, _Before] = {}  # tid -> its block from before the start
         # User stacks unwound with call-frame information while the thread was
         # blocked, by (tid, switch-out time): the block's identity, which its
@@ -210,6 +213,8 @@ class BpfSource:
         repair = None
         if cfg.user_stacks:
             self.unwinder = Unwinder()
+            if cfg.python_stacks:
+                self.python = PythonFrames(PythonStacks(), budget_s=cfg.python_budget_s)
             repair = UserStackRepair(self.unwinder, self.probe.set_leaf_rule)
         self.stacks = StackStore(self.probe, kernel_symbols=self._ksyms,
                                  user_symbols=self._usyms, repair=repair,
@@ -447,14 +452,22 @@ class BpfSource:
         user stack unwound meanwhile); a block whose thread was unwound while
         blocked gets that user stack instead of the frame-pointer one.
         """
+        py = self.python
         if st & ST_BEFORE_START:
             before = self._before.pop(tid, None)
             if before is None:
                 return (), (), True
-            return before.kernel, self._unwound_frames((tid, before.ts), deadline, pop=True) \
-                or (), True
-        user = self._unwound_frames((tid, ts), deadline, pop=True) if ts is not None else None
-        return self._kernel(ks), user if user is not None else self._user(tgid, us, deadline), False
+            user = self._unwound_frames((tid, before.ts), deadline, pop=True) or ()
+            t = py.of_block(tid, before.ts, pop=True) if py is not None else None
+            return before.kernel, merged_frames(user, t) if t is not None else user, True
+        unwound = self._unwound_frames((tid, ts), deadline, pop=True) if ts is not None else None
+        user = unwound if unwound is not None else self._user(tgid, us, deadline)
+        if py is not None:
+            t = py.of_block(tid, ts, pop=True) if ts is not None else None
+            t = t or py.of_site(tid, us)
+            if t is not None:
+                user = merged_frames(user, t)
+        return self._kernel(ks), user, False
 
     def _unwound_frames(self, key: tuple[int, int], deadline: float | None,
                         *, pop: bool = False) -> tuple[Frame, ...] | None:
@@ -501,6 +514,9 @@ class BpfSource:
         rows, live = self._blocked.read()
         symbols = _Budget(self.config.symbol_budget_s, self._clock)
         unwinding = _Budget(self.config.unwind_budget_s, self._clock)
+        if self.python is not None:
+            self.python.read(BlockedThread(b.pid, b.tid, b.ts, b.ustack) for b in rows
+                             if self.targets.accepts(b.pid, b.tid))
         out = []
         for b in rows:
             if not self.targets.accepts(b.pid, b.tid):
@@ -524,6 +540,9 @@ class BpfSource:
                     # there (a big file may take a few sub-ticks' budgets).
                     if unwound is not None and _resolved(unwound) >= _resolved(user):
                         user = unwound
+                t = self.python.of_block(b.tid, b.ts) if self.python is not None else None
+                if t is not None:
+                    user = merged_frames(user, t)
             out.append(BlockedNow(
                 pid=b.pid, tid=b.tid, comm=_comm_of(b.pid, b.tid), state=state_name(b.state),
                 blocked_ns=b.waited_ns, kernel=kernel, user=user, before_start=before,
@@ -610,6 +629,7 @@ class BpfSource:
             symbol_errors=dict(getattr(usyms, "errors", {}) or {}),
             offtop_cpu_pct=cpu_pct,
             offtop_rss_bytes=rss,
+            python_failures=dict(self.python.failures) if self.python is not None else {},
         )
         self.stacks.reclaim(live)
         if usyms is not None and self._seq % 10 == 0:
