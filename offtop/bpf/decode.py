@@ -86,9 +86,9 @@ class StartRecord(ct.Structure):
 REC_SKIP, REC_NO_USER, REC_SEEDED = 1, 2, 4
 #: A state bit of blocks that began before offtop started (offcpu.c ST_BEFORE_START).
 ST_BEFORE_START = 0x80000000
-#: Bit 63 of a user-stack address: the frame came from call-frame information
-#: (offcpu.c LEAF_CALLER_TAG), not from the frame-pointer chain.
-LEAF_CALLER_TAG = 1 << 63
+#: Bit 63 of a user-stack address: the probe reached the frame along the rbp
+#: chain, not by a call-frame rule (offcpu.c FP_FRAME_TAG).
+FP_FRAME_TAG = 1 << 63
 
 
 class AccRecord(ct.Structure):

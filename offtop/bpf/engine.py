@@ -215,7 +215,7 @@ class BpfSource:
             self.unwinder = Unwinder()
             if cfg.python_stacks:
                 self.python = PythonFrames(PythonStacks(), budget_s=cfg.python_budget_s)
-            repair = UserStackRepair(self.unwinder, self.probe.set_leaf_rule)
+            repair = UserStackRepair(self.unwinder, self.probe.set_unwind_rule)
         self.stacks = StackStore(self.probe, kernel_symbols=self._ksyms,
                                  user_symbols=self._usyms, repair=repair,
                                  capacity={"k": cfg.stack_entries, "u": cfg.ustack_entries},

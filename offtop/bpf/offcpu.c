@@ -178,18 +178,31 @@ BPF_TABLE("stacktrace", int, struct ustack_t, user_stacks, OFFTOP_USTACK_ENTRIES
 #endif
 
 #if OFFTOP_USER_STACKS && defined(__x86_64__)
-// Where the return address of a frameless leaf sits, learned by Python from
-// the leaf's call-frame information: [sp + offset] for a leaf at `pc` in
-// process `tgid` (offset < 0: the leaf keeps a frame pointer, nothing to
-// add). A syscall wrapper sets up no frame, so a frame-pointer walk starting
-// at rbp skips its caller; with this, that caller is the second frame.
-struct leaf_key {
+// How to step from a frame to its caller, per process and pc, taught by
+// Python from the binaries' call-frame information (.eh_frame): the probe
+// unwinds user stacks with these where it has them and along the rbp chain
+// where it has not (see walk_user_stack). A pc's rule is keyed by the pc
+// itself for a thread's first frame and by the return address for callers
+// (Python computes those at address - 1). LRU: processes come and go, and
+// Python deletes the rules of a process once it is gone.
+struct rule_key {
     u32 tgid;
     u32 pad;
     u64 pc;
 };
-BPF_HASH(leaf_rules, struct leaf_key, s32, 16384);
-#define LEAF_CALLER_TAG (1ULL << 63)
+// A rule, packed: kind (bits 0-7), CFA offset (8-23), where the return
+// address is relative to the CFA (24-39), where rbp is saved relative to
+// the CFA or RULE_BP_SAME (40-55).
+#define RULE_RSP 1          // CFA = rsp + offset
+#define RULE_RBP 2          // CFA = rbp + offset
+#define RULE_OUTERMOST 3    // no caller: the stack is complete
+#define RULE_FP 4           // no usable rule: take a frame-pointer step
+#define RULE_BP_SAME 0x7fff // rbp keeps its value in the caller
+BPF_TABLE("lru_hash", struct rule_key, u64, unwind_rules, 65536);
+// Bit 63 (never set in a user address) marks a frame reached along the rbp
+// chain rather than by a rule: Python keeps it only if the frame below it
+// keeps rbp as its frame base.
+#define FP_FRAME_TAG (1ULL << 63)
 #endif
 
 // Per-thread records (see start_rec and the top of this file). Mappable, so
@@ -381,36 +394,48 @@ static __always_inline int walk_user_stack(void *args, struct start_rec *rec)
         st->ip[0] = ip_cs[0];
         h = (h ^ ip_cs[0]) * 0x100000001B3ULL;
         n = 1;
-        // A frameless leaf whose return address Python has located: its
-        // caller goes second, read from the stack, before the rbp chain.
-        struct leaf_key lk = {};
-        lk.tgid = rec->tgid;
-        lk.pc = ip_cs[0];
-        s32 *off = leaf_rules.lookup(&lk);
-        if (off && *off >= 0 && *off < 4096) {
-            u64 ra = 0;
-            if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(ip_cs[3] + *off)) == 0 && ra) {
-                // Bit 63 (never set in a user address) tells Python this
-                // frame came from call-frame information, not from rbp.
-                st->ip[1] = ra | LEAF_CALLER_TAG;
-                h = (h ^ ra) * 0x100000001B3ULL;
-                h ^= h >> 29;
-                n = 2;
-            }
-        }
+        u64 pc = ip_cs[0], sp = ip_cs[3], bp = fp;
+        struct rule_key rk = {};
+        rk.tgid = rec->tgid;
         for (u32 i = 1; i < OFFTOP_USTACK_DEPTH; i++) {
-            if (i < n)
-                continue;
-            if (fp < 4096 || (fp & 7) || fp > 0x00007fffffffeff0ULL)
+            rk.pc = pc;
+            u64 *rule = unwind_rules.lookup(&rk);
+            u32 kind = rule ? (u32)(*rule & 0xff) : RULE_FP;
+            u64 ra, tag = 0;
+            if (kind == RULE_OUTERMOST) {
                 break;
-            u64 frame[2];       // saved fp, return address
-            if (bpf_probe_read_user(frame, sizeof(frame), (void *)fp) != 0 || frame[1] == 0)
+            } else if (kind == RULE_RSP || kind == RULE_RBP) {
+                s64 cfa_off = (s16)(*rule >> 8);
+                s64 ra_off = (s16)(*rule >> 24);
+                s64 bp_off = (s16)(*rule >> 40);
+                u64 cfa = (kind == RULE_RSP ? sp : bp) + cfa_off;
+                if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(cfa + ra_off)) != 0)
+                    break;
+                if (bp_off != RULE_BP_SAME &&
+                    bpf_probe_read_user(&bp, sizeof(bp), (void *)(cfa + bp_off)) != 0)
+                    bp = 0;
+                sp = cfa;
+            } else {
+                // No rule known (yet): one step along the rbp chain, stopped
+                // without touching memory at a frame pointer no frame can
+                // have (below the first page, unaligned, past user space).
+                if (bp < 4096 || (bp & 7) || bp > 0x00007fffffffeff0ULL)
+                    break;
+                u64 frame[2];       // saved rbp, return address
+                if (bpf_probe_read_user(frame, sizeof(frame), (void *)bp) != 0)
+                    break;
+                ra = frame[1];
+                sp = bp + 16;
+                bp = frame[0];
+                tag = FP_FRAME_TAG;
+            }
+            if (ra == 0)
                 break;
-            st->ip[i] = frame[1];
-            h = (h ^ frame[1]) * 0x100000001B3ULL;
+            st->ip[i] = ra | tag;
+            h = (h ^ (ra | tag)) * 0x100000001B3ULL;
             h ^= h >> 29;
             n = i + 1;
-            fp = frame[0];
+            pc = ra;
         }
     }
     // The verifier follows the walk loop once per way out of it, each with

@@ -138,13 +138,22 @@ class Probe:
                 with contextlib.suppress(KeyError):
                     del self._table(name)[ct.c_uint32(key)]
 
-    def set_leaf_rule(self, tgid: int, pc: int, offset: int) -> None:
-        """Where the return address of the leaf at `pc` in `tgid` is: [sp + offset] (offcpu.c)."""
+    def set_unwind_rule(self, tgid: int, pc: int, rule: int) -> None:
+        """Teach the probe how to step from `pc` to its caller in `tgid` (offcpu.c unwind_rules)."""
         from bcc.libbcc import lib
 
-        table = self._table("leaf_rules")
-        key, leaf = table.Key(tgid, 0, pc), ct.c_int32(offset)
-        lib.bpf_update_elem(table.map_fd, ct.byref(key), ct.byref(leaf), 0)  # full: not taught
+        table = self._table("unwind_rules")
+        key, leaf = table.Key(tgid, 0, pc), ct.c_uint64(rule)
+        lib.bpf_update_elem(table.map_fd, ct.byref(key), ct.byref(leaf), 0)  # LRU: never full
+
+    def forget_unwind_rules(self, gone: set[int]) -> int:
+        """Delete the rules of processes that are gone (their pids may come back); how many."""
+        table = self._table("unwind_rules")
+        victims = [k for k in table if k.tgid in gone]
+        for k in victims:
+            with contextlib.suppress(KeyError):
+                del table[k]
+        return len(victims)
 
     def seed_record(self, tid: int, rec: StartRecord) -> bool:
         """Give a thread blocked before offtop started a record (overflow hash, never

@@ -1,22 +1,19 @@
-"""Frame-pointer user stacks from the probe, checked and completed with call-frame information.
+"""User stacks from the probe, checked and completed with the binaries' call-frame information.
 
-The probe walks user stacks along the rbp chain: cheap, and exact where
-every function keeps a frame pointer. Two things go wrong elsewhere, and
-the binaries' own unwind tables (.eh_frame) fix both:
+The probe unwinds a user stack one frame at a time, by a rule for each pc
+where Python has taught it one and along the rbp chain where not. Python
+teaches rules from each file's own unwind tables (.eh_frame, read by
+`offtop.unwind`) for every pc it sees, so the stacks of a site become whole
+within a few blocks there, also in code built without frame pointers
+(Debian's, libc included) and through frameless leaves (a libc syscall
+wrapper sets up no frame, so the rbp chain skips its caller).
 
-- A frameless leaf (a libc syscall wrapper sets up no frame) leaves rbp to
-  its caller, so the chain skips that caller. Python looks up where the
-  leaf keeps its return address (CFA = rsp + N: at [sp + N - 8]) and
-  teaches the probe (`leaf_rules`, per process and pc); from then on the
-  probe reads it there and puts the caller second, tagged (bit 63) as a
-  frame that came from call-frame information.
-- In code built without frame pointers, rbp is an ordinary register: the
-  chain followed from it is junk. A frame is trusted only if the function
-  below it keeps rbp as its frame base there (its CFA is rbp-based); the
-  stack is cut at the first frame that is not, and marked truncated.
-
-Where a file has no unwind table the chain is taken as it is (nothing
-better is known); frames outside every mapping are cut by the symbolizer.
+Frames the probe reached along the rbp chain carry a tag (bit 63). Such a
+frame is kept only if the function below it keeps rbp as its frame base
+there (its CFA is rbp-based, or nothing says otherwise); in code without
+frame pointers rbp is an ordinary register and the chain from it is junk,
+so the stack is cut there and marked truncated. Frames outside every
+mapping are cut by the symbolizer.
 """
 
 from __future__ import annotations
@@ -24,28 +21,48 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from offtop.bpf.decode import LEAF_CALLER_TAG
+from offtop.bpf.decode import FP_FRAME_TAG
 from offtop.unwind import Unwinder
 from offtop.unwind.maps import ExecMapping, read_exec_maps
-from offtop.unwind.rules import CfaKind, RegKind
+from offtop.unwind.rules import CfaKind, RegKind, Rule
 
-#: leaf_rules value: the leaf keeps a frame pointer, or where its return
-#: address is is unknown; the probe adds nothing.
-NO_LEAF_CALLER = -1
+# offcpu.c RULE_*: how the probe steps from a pc to its caller.
+RULE_RSP, RULE_RBP, RULE_OUTERMOST, RULE_FP = 1, 2, 3, 4
+RULE_BP_SAME = 0x7FFF
+
+
+def pack_rule(rule: Rule | None) -> int:
+    """The probe's form of a call-frame rule (offcpu.c unwind_rules); RULE_FP when it has none."""
+    if rule is None or rule.signal:
+        return RULE_FP
+    if rule.ra == RegKind.UNDEFINED:
+        return RULE_OUTERMOST
+    if rule.cfa not in (CfaKind.RSP, CfaKind.RBP) or rule.ra != RegKind.OFFSET:
+        return RULE_FP
+    bp = rule.bp_off if rule.bp == RegKind.OFFSET else RULE_BP_SAME
+    fields = (rule.cfa_off, rule.ra_off, bp)
+    in_range = all(-0x8000 <= v < 0x8000 for v in fields)
+    if not in_range or (rule.bp == RegKind.OFFSET and bp == RULE_BP_SAME):
+        return RULE_FP
+    kind = RULE_RSP if rule.cfa == CfaKind.RSP else RULE_RBP
+    packed = kind
+    for shift, v in zip((8, 24, 40), fields, strict=True):
+        packed |= (v & 0xFFFF) << shift
+    return packed
 
 
 @dataclass(slots=True)
 class RepairStats:
     """Counts, cumulative."""
 
-    leaf_rules: int = 0
+    rules_taught: int = 0
     cut: int = 0
 
 
 class UserStackRepair:
-    """Checks and completes probe user stacks (see the module docstring).
+    """Checks probe user stacks and teaches the probe rules (see the module docstring).
 
-    `teach(tgid, pc, offset)` writes a leaf rule into the probe. One per
+    `teach(tgid, pc, packed_rule)` writes a rule into the probe. One per
     engine thread (the unwinder's caches are not thread-safe).
     """
 
@@ -54,14 +71,15 @@ class UserStackRepair:
         unwinder: Unwinder,
         teach: Callable[[int, int, int], None],
         *,
-        max_rules: int = 16_384,
+        max_rules: int = 65_536,
         maps: Callable[[int], list[ExecMapping]] = read_exec_maps,
     ) -> None:
         self._unwinder = unwinder
         self._teach = teach
         self._max_rules = max_rules
         self._read_maps = maps
-        self._taught: set[tuple[int, int]] = set()
+        self._taught: dict[int, set[int]] = {}
+        self._count = 0
         self._maps: dict[int, list[ExecMapping]] = {}
         self.stats = RepairStats()
 
@@ -69,9 +87,15 @@ class UserStackRepair:
         """Forget the memory maps read so far (processes map and unmap)."""
         self._maps.clear()
 
-    def forget_process(self, pid: int) -> None:
-        """A process is gone: its leaf rules mean nothing any more."""
-        self._taught = {k for k in self._taught if k[0] != pid}
+    @property
+    def taught_pids(self) -> set[int]:
+        """Processes the probe holds rules for."""
+        return set(self._taught)
+
+    def forget_processes(self, pids: set[int]) -> None:
+        """These processes are gone: their rules mean nothing any more."""
+        for pid in pids:
+            self._count -= len(self._taught.pop(pid, ()))
 
     def _maps_of(self, pid: int) -> list[ExecMapping]:
         maps = self._maps.get(pid)
@@ -79,37 +103,32 @@ class UserStackRepair:
             maps = self._maps[pid] = self._read_maps(pid)
         return maps
 
+    def _rule(self, pid: int, addr: int, first: bool, maps: list[ExecMapping]) -> Rule | None:
+        return self._unwinder.rule_for(pid, addr, exact=first, maps=maps)
+
     def repair(self, pid: int, addrs: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
         """(the trusted addresses, tags removed; True when frames were cut)."""
         if not addrs:
             return addrs, False
         maps = self._maps_of(pid)
-        self._learn_leaf(pid, addrs[0], maps)
         out = [addrs[0]]
-        # Does the function of the frame below keep rbp as its frame base?
-        # For the leaf that is asked at its exact pc, for callers at ret - 1.
-        for i in range(1, len(addrs)):
-            addr = addrs[i]
-            if addr & LEAF_CALLER_TAG:
-                out.append(addr & ~LEAF_CALLER_TAG)  # from the leaf's own CFI: trusted
-                continue
-            below = out[-1]
-            rule = self._unwinder.rule_for(pid, below, exact=(i == 1), maps=maps)
-            if rule is not None and rule.cfa != CfaKind.RBP:
-                self.stats.cut += 1
-                return tuple(out), True
+        self._learn(pid, addrs[0], True, maps)
+        for addr in addrs[1:]:
+            if addr & FP_FRAME_TAG:
+                addr &= ~FP_FRAME_TAG
+                below = self._rule(pid, out[-1], len(out) == 1, maps)
+                if below is not None and below.cfa != CfaKind.RBP:
+                    self.stats.cut += 1
+                    return tuple(out), True
             out.append(addr)
+            self._learn(pid, addr, False, maps)
         return tuple(out), False
 
-    def _learn_leaf(self, pid: int, pc: int, maps: list[ExecMapping]) -> None:
-        key = (pid, pc)
-        if key in self._taught or len(self._taught) >= self._max_rules:
+    def _learn(self, pid: int, addr: int, first: bool, maps: list[ExecMapping]) -> None:
+        taught = self._taught.setdefault(pid, set())
+        if addr in taught or self._count >= self._max_rules:
             return
-        self._taught.add(key)
-        rule = self._unwinder.rule_for(pid, pc, exact=True, maps=maps)
-        offset = NO_LEAF_CALLER
-        if rule is not None and rule.cfa == CfaKind.RSP and rule.ra == RegKind.OFFSET:
-            offset = rule.cfa_off + rule.ra_off  # the return address is at [sp + offset]
-        self._teach(pid, pc, offset)
-        if offset != NO_LEAF_CALLER:
-            self.stats.leaf_rules += 1
+        taught.add(addr)
+        self._count += 1
+        self._teach(pid, addr, pack_rule(self._rule(pid, addr, first, maps)))
+        self.stats.rules_taught += 1
