@@ -60,6 +60,53 @@ class Frame:
 
 
 @dataclass(frozen=True, slots=True)
+class Waker:
+    """Who ended a block: a task, or an interrupt (then pid and tid are 0).
+
+    `kind` is "task", "irq" (a device interrupt, `number` its irq), "softirq"
+    (`number` its vector), "timer" (the local timer interrupt: an expired
+    sleep or timeout) or "ipi" (a call from another CPU). Stacks are taken
+    only for blocks long enough to matter: () when not taken.
+    """
+
+    pid: int
+    tid: int
+    comm: str
+    kind: str = "task"
+    number: int = 0
+    kernel: tuple[Frame, ...] = ()
+    user: tuple[Frame, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """How a waker is named: its comm, or what interrupted ("timer interrupt")."""
+        if self.kind == "task":
+            return self.comm
+        if self.kind == "softirq":
+            name = SOFTIRQ_NAMES.get(self.number, str(self.number))
+            return f"[softirq {name}]"
+        if self.kind == "irq":
+            return f"[irq {self.number}]"
+        return f"[{self.kind} interrupt]" if self.kind else "[unknown]"
+
+
+#: Softirq vectors (include/linux/interrupt.h), for naming wakers.
+SOFTIRQ_NAMES: Mapping[int, str] = {
+    0: "HI", 1: "TIMER", 2: "NET_TX", 3: "NET_RX", 4: "BLOCK", 5: "IRQ_POLL", 6: "TASKLET",
+    7: "SCHED", 8: "HRTIMER", 9: "RCU",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WakerRow:
+    """The off-CPU time of one stack that one waker ended."""
+
+    waker: Waker
+    offcpu_ns: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class Sample:
     """Off-CPU time of one task in one state with one pair of stacks.
 
@@ -83,6 +130,8 @@ class Sample:
     start: int = 0
     #: The block began before offtop started (found in /proc; counted whole, once).
     before_start: bool = False
+    #: Who ended these blocks (None: not recorded, e.g. --no-wakers).
+    waker: Waker | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +149,8 @@ class LongBlock:
     cgroup_id: int = 0
     #: The block began before offtop started; its duration is estimated.
     before_start: bool = False
+    #: Who ended it (None: not recorded).
+    waker: Waker | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +226,8 @@ class StackRow:
     user: tuple[Frame, ...]
     #: Time of a block that began before offtop started (see Sample.before_start).
     before_start: bool = False
+    #: Who ended these blocks, most off-CPU time first.
+    wakers: tuple[WakerRow, ...] = ()
 
     @property
     def key(self) -> str:
@@ -373,6 +426,8 @@ class Aggregator:
         threads: dict[int, _Acc] = {}
         stacks: dict[tuple[int, str, tuple[Frame, ...], tuple[Frame, ...]], list[int]] = {}
         stack_meta: dict[tuple[int, str, tuple[Frame, ...], tuple[Frame, ...]], tuple[int, str]] = {}
+        wakers: dict[tuple[int, str, tuple[Frame, ...], tuple[Frame, ...]],
+                     dict[Waker, list[int]]] = {}
 
         for s in samples:
             acc = threads.get(s.tid)
@@ -388,6 +443,14 @@ class Aggregator:
                 cur[0] += s.offcpu_ns
                 cur[1] += s.count
                 cur[2] = max(cur[2], s.max_ns)
+            if s.waker is not None:
+                by_waker = wakers.setdefault(skey, {})
+                w = by_waker.get(s.waker)
+                if w is None:
+                    by_waker[s.waker] = [s.offcpu_ns, s.count]
+                else:
+                    w[0] += s.offcpu_ns
+                    w[1] += s.count
 
         for tid, acc in threads.items():
             tot = self._totals.get(tid)
@@ -433,6 +496,7 @@ class Aggregator:
                     max_ns=v[2],
                     kernel=k[2],
                     user=k[3],
+                    wakers=_waker_rows(wakers.get(k)),
                 )
                 for k, v in stacks.items()
             ),
@@ -467,6 +531,14 @@ class Aggregator:
         stale = [tid for tid, t in self._totals.items() if t.last_seq < horizon]
         for tid in stale:
             del self._totals[tid]
+
+
+def _waker_rows(by_waker: Mapping[Waker, list[int]] | None) -> tuple[WakerRow, ...]:
+    if not by_waker:
+        return ()
+    rows = [WakerRow(w, ns, n) for w, (ns, n) in by_waker.items()]
+    rows.sort(key=lambda r: (-r.offcpu_ns, r.waker.tid, r.waker.label))
+    return tuple(rows)
 
 
 @dataclass(slots=True)

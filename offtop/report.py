@@ -24,6 +24,8 @@ from offtop.model import (
     Snapshot,
     StackRow,
     TaskRow,
+    Waker,
+    WakerRow,
 )
 from offtop.safe_text import printable
 from offtop.units import format_ns
@@ -46,6 +48,25 @@ def _frames_json(frames: Sequence[Frame]) -> list[str]:
 
 def _modules_json(frames: Sequence[Frame]) -> list[str]:
     return [f.module for f in frames]
+
+
+def waker_to_json(w: Waker | None) -> dict[str, Any] | None:
+    """A waker as JSON: pid/tid 0 and `kind` other than "task" for an interrupt."""
+    if w is None:
+        return None
+    return {"pid": w.pid, "tid": w.tid, "comm": w.comm, "kind": w.kind, "number": w.number,
+            "kernel": _frames_json(w.kernel), "user": _frames_json(w.user),
+            "user_modules": _modules_json(w.user)}
+
+
+def waker_from_json(d: Mapping[str, Any] | None) -> Waker | None:
+    """The inverse of `waker_to_json`."""
+    if not d:
+        return None
+    return Waker(pid=int(d["pid"]), tid=int(d["tid"]), comm=str(d["comm"]),
+                 kind=str(d.get("kind", "task")), number=int(d.get("number", 0)),
+                 kernel=_frames(d.get("kernel", ()), True),
+                 user=_frames(d.get("user", ()), False, d.get("user_modules", ())))
 
 
 def stats_to_json(s: CaptureStats) -> dict[str, Any]:
@@ -134,6 +155,8 @@ def snapshot_to_json(snap: Snapshot) -> dict[str, Any]:
                 "user": _frames_json(s.user),
                 "user_modules": _modules_json(s.user),
                 "before_start": s.before_start,
+                "wakers": [{**(waker_to_json(w.waker) or {}), "offcpu_ns": w.offcpu_ns,
+                            "count": w.count} for w in s.wakers],
             }
             for s in snap.stacks
         ],
@@ -147,6 +170,7 @@ def snapshot_to_json(snap: Snapshot) -> dict[str, Any]:
                 "duration_ns": b.duration_ns,
                 "cgroup_id": b.cgroup_id,
                 "before_start": b.before_start,
+                "waker": waker_to_json(b.waker),
                 "kernel": _frames_json(b.kernel),
                 "user": _frames_json(b.user),
                 "user_modules": _modules_json(b.user),
@@ -256,6 +280,8 @@ def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
                 count=s["count"],
                 max_ns=s.get("max_ns", 0),
                 before_start=bool(s.get("before_start", False)),
+                wakers=tuple(WakerRow(waker_from_json(w) or Waker(0, 0, ""), int(w["offcpu_ns"]),
+                                      int(w["count"])) for w in s.get("wakers", ())),
                 kernel=_frames(s["kernel"], True),
                 user=_frames(s["user"], False, s.get("user_modules", ())),
             )
@@ -273,6 +299,7 @@ def snapshot_from_json(d: Mapping[str, Any]) -> Snapshot:
                 user=_frames(b["user"], False, b.get("user_modules", ())),
                 cgroup_id=b.get("cgroup_id", 0),
                 before_start=bool(b.get("before_start", False)),
+                waker=waker_from_json(b.get("waker")),
             )
             for b in d.get("long_blocks", ())
         ),
@@ -309,17 +336,34 @@ def fold_name(name: str) -> str:
     return name or "[unknown]"
 
 
-def folded_lines(snap: Snapshot) -> list[str]:
-    """`comm;user outermost..innermost;kernel outermost..innermost value_us`."""
+def folded_lines(snap: Snapshot, *, wakers: bool = False) -> list[str]:
+    """`comm;user outermost..innermost;kernel outermost..innermost value_us`.
+
+    With `wakers`, as bcc's offwaketime folds them: one line per (stack,
+    waker), the waker's kernel then user frames, innermost first, and its
+    name appended after a `--` frame, so a flame graph stands the waker's
+    stack upside down on top of the blocked one.
+    """
     lines = []
     for s in snap.stacks:
-        us = round(s.offcpu_ns / 1000)
-        if us <= 0:
-            continue
         parts = [fold_name(s.comm)]
         parts += [fold_name(f.name) for f in reversed(s.user)]
         parts += [fold_name(f.name) for f in reversed(s.kernel)]
-        lines.append(f"{';'.join(parts)} {us}")
+        if not wakers or not s.wakers:
+            us = round(s.offcpu_ns / 1000)
+            if us > 0:
+                lines.append(f"{';'.join(parts)} {us}")
+            continue
+        rest = s.offcpu_ns
+        for w in s.wakers:
+            rest -= w.offcpu_ns
+            us = round(w.offcpu_ns / 1000)
+            if us <= 0:
+                continue
+            waker = [fold_name(f.name) for f in (*w.waker.kernel, *w.waker.user)]
+            lines.append(f"{';'.join([*parts, '--', *waker, fold_name(w.waker.label)])} {us}")
+        if round(rest / 1000) > 0:  # blocks whose waker was not seen
+            lines.append(f"{';'.join([*parts, '--', fold_name('[unknown waker]')])} {round(rest / 1000)}")
     return lines
 
 

@@ -15,26 +15,39 @@ C_SIZES = {"u64": 8, "s64": 8, "u32": 4, "s32": 4, "u16": 2, "u8": 1, "char": 1}
 
 
 def c_fields(struct: str) -> list[tuple[str, int]]:
+    """(name, size) of each field of a C struct in offcpu.c; nested structs flattened."""
     body = re.search(rf"struct {struct} \{{(.*?)\}};", SRC, re.S)
     assert body, struct
     out = []
     for line in body.group(1).splitlines():
+        nested = re.match(r"\s*struct (\w+)\s+(\w+);", line)
+        if nested:
+            out += [(f"{nested.group(2)}.{n}", size) for n, size in c_fields(nested.group(1))]
+            continue
         m = re.match(r"\s*(\w+)\s+(\w+)(?:\[(\d+)\])?;", line)
         if m:
             out.append((m.group(2), C_SIZES[m.group(1)] * int(m.group(3) or 1)))
     return out
 
 
+def py_fields(py: type[ct.Structure], prefix: str = "") -> list[tuple[str, int]]:
+    """(name, size) of each field of a ctypes mirror, nested structures flattened."""
+    out: list[tuple[str, int]] = []
+    for name, ctype in py._fields_:
+        if isinstance(ctype, type) and issubclass(ctype, ct.Structure):
+            out += py_fields(ctype, f"{prefix}{name}.")
+        else:
+            out.append((prefix + name, ct.sizeof(ctype)))
+    return out
+
+
 @pytest.mark.parametrize("c_name,py", [
     ("start_rec", decode.StartRecord), ("agg_key", decode.AggKey),
     ("agg_val", decode.AggValue), ("offcpu_event", decode.OffcpuEvent),
-    ("acc_rec", decode.AccRecord),
+    ("acc_rec", decode.AccRecord), ("waker", decode.Waker),
 ])
 def test_mirrors_match_the_c_structs(c_name: str, py: type[ct.Structure]) -> None:
-    fields = c_fields(c_name)
-    assert [n for n, _ in fields] == [f[0] for f in py._fields_]
-    for (name, size), f in zip(fields, py._fields_, strict=True):
-        assert ct.sizeof(f[1]) == size, name
+    assert c_fields(c_name) == py_fields(py)
     assert decode.EVENT_STRUCT.size == ct.sizeof(decode.OffcpuEvent)
 
 
@@ -53,12 +66,15 @@ def test_bulk_event_decoding_gives_each_field_in_order() -> None:
     """
     values = {"end_ns": 5, "delta_ns": 7, "cgroup_id": 9, "tgid": 11, "tid": 13,
               "ustack": -14, "kstack": 3, "state": 0x2, "cpu": 1, "comm": b"a[b]"}
-    ev = decode.OffcpuEvent(**values)
+    waker = {"tgid": 17, "tid": 19, "ustack": -21, "kstack": 23, "what": 1 << 24, "pad": 0,
+             "comm": b"w"}
+    ev = decode.OffcpuEvent(**values, w=decode.Waker(**waker))
     got = decode.EVENT_STRUCT.unpack(bytes(ev))
-    assert [f[0] for f in decode.OffcpuEvent._fields_] == list(decode.EVENT_FIELDS)
-    assert dict(zip(decode.EVENT_FIELDS, got, strict=True)) == {
-        **values, "comm": b"a[b]".ljust(16, b"\0")}
-    assert decode.decode_comm(got[-1]) == "a[b]"
+    assert [n for n, _ in py_fields(decode.OffcpuEvent)] == list(decode.EVENT_FIELDS)
+    want = {**values, "comm": b"a[b]".ljust(16, b"\0"),
+            **{f"w.{k}": v for k, v in waker.items()}, "w.comm": b"w".ljust(16, b"\0")}
+    assert dict(zip(decode.EVENT_FIELDS, got, strict=True)) == want
+    assert decode.decode_comm(got[9]) == "a[b]"
 
 
 def test_states_and_flags() -> None:

@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from offtop.bpf.decode import DEFAULT_STATES, state_mask
 
 
+def _has_irq_vectors() -> bool:
+    """Does this kernel have x86's irq_vectors tracepoints (timer interrupt, IPIs)?"""
+    return any(os.path.exists(f"{d}/events/irq_vectors/local_timer_entry")
+               for d in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"))
+
+
 class EngineError(RuntimeError):
     """The engine could not start; the message is one line for users."""
 
@@ -56,6 +62,11 @@ class EngineConfig:
     python_stacks: bool = True
     #: Reading them may take at most this much of each snapshot.
     python_budget_s: float = 0.02
+    #: Who wakes each block (sched_waking and the interrupt tracepoints).
+    wakers: bool = True
+    #: Take a waker's stacks only for blocks at least this long: wakeups are as
+    #: frequent as switches, and short blocks rarely need the why.
+    waker_stacks_min_ns: int = 1_000_000
     exclude_self: bool = True
     scope: str = field(default="", compare=False)
 
@@ -76,6 +87,8 @@ class EngineConfig:
             "OFFTOP_AGG_ENTRIES": self.agg_entries,
             "OFFTOP_KSTACK_DEPTH": self.kstack_depth,
             "OFFTOP_USTACK_DEPTH": self.ustack_depth,
+            "OFFTOP_WAKERS": int(self.wakers),
+            "OFFTOP_IRQ_VECTORS": int(self.wakers and _has_irq_vectors()),
         }
         for name, v in ints.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 1 << 24:

@@ -63,6 +63,24 @@ def state_mask(letters: str) -> int:
     return mask
 
 
+class Waker(ct.Structure):
+    """Mirrors `struct waker` in offcpu.c: who ended a block (what == 0: not seen)."""
+
+    _fields_ = [
+        ("tgid", ct.c_uint32),
+        ("tid", ct.c_uint32),
+        ("ustack", ct.c_int32),
+        ("kstack", ct.c_int32),
+        ("what", ct.c_uint32),
+        ("pad", ct.c_uint32),
+        ("comm", ct.c_char * 16),
+    ]
+
+
+#: offcpu.c WAKER_*: the kind of waker, in `what >> 24` (the low 24 bits: a number).
+WAKER_KINDS: dict[int, str] = {0: "", 1: "task", 2: "irq", 3: "softirq", 4: "timer", 5: "ipi"}
+
+
 class StartRecord(ct.Structure):
     """Mirrors `struct start_rec` in offcpu.c (ts == 0: not blocked now; tid == 0: free)."""
 
@@ -79,6 +97,7 @@ class StartRecord(ct.Structure):
         ("upc", ct.c_uint64),
         ("usp", ct.c_uint64),
         ("ubp", ct.c_uint64),
+        ("w", Waker),
     ]
 
 
@@ -105,6 +124,7 @@ class AccRecord(ct.Structure):
         ("max_ns", ct.c_uint64),
         ("count", ct.c_uint64),
         ("comm", ct.c_char * 16),
+        ("w", Waker),
     ]
 
 
@@ -165,7 +185,11 @@ class AggKey(ct.Structure):
         ("ustack", ct.c_int32),
         ("kstack", ct.c_int32),
         ("state", ct.c_uint32),
-        ("pad", ct.c_uint32),
+        ("waker_tgid", ct.c_uint32),
+        ("waker_tid", ct.c_uint32),
+        ("waker_ustack", ct.c_int32),
+        ("waker_kstack", ct.c_int32),
+        ("waker_what", ct.c_uint32),
     ]
 
 
@@ -177,6 +201,7 @@ class AggValue(ct.Structure):
         ("max_ns", ct.c_uint64),
         ("count", ct.c_uint64),
         ("comm", ct.c_char * 16),
+        ("waker_comm", ct.c_char * 16),
     ]
 
 
@@ -194,14 +219,16 @@ class OffcpuEvent(ct.Structure):
         ("state", ct.c_uint32),
         ("cpu", ct.c_uint32),
         ("comm", ct.c_char * 16),
+        ("w", Waker),
     ]
 
 
 # The same layout for bulk decoding of raw perf-buffer bytes: tuples of these
 # fields, in this order (the engine unpacks them so).
-EVENT_STRUCT = struct.Struct("<QQQIIiiII16s")
+EVENT_STRUCT = struct.Struct("<QQQIIiiII16sIIiiII16s")
 EVENT_FIELDS = ("end_ns", "delta_ns", "cgroup_id", "tgid", "tid", "ustack", "kstack", "state",
-                "cpu", "comm")
+                "cpu", "comm", "w.tgid", "w.tid", "w.ustack", "w.kstack", "w.what", "w.pad",
+                "w.comm")
 assert EVENT_STRUCT.size == ct.sizeof(OffcpuEvent)
 
 

@@ -34,13 +34,14 @@ from offtop.bpf.decode import (
     REC_SEEDED,
     ST_BEFORE_START,
     STATE_MASKS,
+    WAKER_KINDS,
     StartRecord,
     decode_comm,
     state_name,
 )
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.perf_ring import PerfRing
-from offtop.bpf.probe import Probe
+from offtop.bpf.probe import Probe, RawWaker
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import BlockedThread, PythonFrames, merged_frames
 from offtop.bpf.stack_store import StackStore
@@ -55,6 +56,7 @@ from offtop.model import (
     LongBlock,
     Sample,
     Snapshot,
+    Waker,
 )
 from offtop.proc_tasks import SchedClock, blocked_tasks, exec_start_ns, in_cgroup
 from offtop.procinfo import ProcessInfoCache
@@ -70,8 +72,9 @@ __all__ = ["BpfSource", "EngineConfig", "EngineError"]
 #: The largest threshold the kernel map accepts (offtop.units bounds what users type).
 MAX_THRESHOLD_NS = 1 << 62
 
-# A raw row, stacks still ids: (tgid, tid, state, ustack, kstack).
-_RawKey = tuple[int, int, int, int, int]
+# A raw key of summed events, stacks still ids: (tgid, tid, state, ustack, kstack,
+# waker tgid, waker tid, waker ustack, waker kstack, waker what).
+_RawKey = tuple[int, int, int, int, int, int, int, int, int, int]
 
 
 @dataclass(slots=True)
@@ -348,11 +351,11 @@ class BpfSource:
         if len(self._durations) < 65_536:  # for flood control: the rate's make-up
             self._durations.extend(r[1] for r in raw)
         watch = self.targets
-        for _end_ns, delta, _cg, tgid, tid, us, ks, st, _cpu, comm in raw:
-            key = (tgid, tid, st, us, ks)
+        for _end, delta, _cg, tgid, tid, us, ks, st, _cpu, comm, *waker in raw:
+            key = (tgid, tid, st, us, ks, *waker[:5])
             a = acc.get(key)
             if a is None:
-                acc[key] = [delta, 1, delta, comm]
+                acc[key] = [delta, 1, delta, comm, waker[6]]
             else:
                 a[0] += delta
                 a[1] += 1
@@ -378,27 +381,32 @@ class BpfSource:
         self._check_targets()
         iv = self._interval
         for row in self.probe.drain_aggregates():
-            tgid, tid, st, us, ks, total, count, mx, comm = row
+            tgid, tid, st, us, ks, total, count, mx, comm, waker = row
             if self.targets.accepts(tgid, tid):
                 iv.samples.append(self._sample(tgid, tid, st, us, ks, total, count, mx, comm,
-                                               False, deadline))
+                                               waker, False, deadline))
         if self._event_acc:
-            for (tgid, tid, st, us, ks), (tot, cnt, mx, comm) in self._event_acc.items():
-                iv.samples.append(self._sample(tgid, tid, st, us, ks, tot, cnt, mx, comm, True,
-                                               deadline))
+            for key, (tot, cnt, mx, comm, wcomm) in self._event_acc.items():
+                tgid, tid, st, us, ks, wt, wtid, wus, wks, what = key
+                waker = (wt, wtid, wus, wks, what, wcomm)
+                iv.samples.append(self._sample(tgid, tid, st, us, ks, tot, cnt, mx, comm,
+                                               waker, True, deadline))
             self._event_acc = {}
         if self._event_tail:
             wall = self._mono_to_wall
             # Each CPU's ring is in order; merge them by end time.
-            for end_ns, delta, cg, tgid, tid, us, ks, st, _cpu, comm in sorted(self._event_tail):
+            for ev in sorted(self._event_tail):
+                end_ns, delta, cg, tgid, tid, us, ks, st, _cpu, comm = ev[:10]
                 if not self.targets.accepts(tgid, tid):
                     continue
                 kernel, user, before = self._frames_of(tgid, tid, st, us, ks, deadline,
                                                        ts=end_ns - delta)
+                wt, wtid, wus, wks, what, _pad, wcomm = ev[10:]
                 iv.long_blocks.append(LongBlock(
                     time=end_ns / 1e9 + wall, pid=tgid, tid=tid, comm=decode_comm(comm),
                     state=state_name(st), duration_ns=delta, kernel=kernel, user=user,
                     cgroup_id=cg, before_start=before,
+                    waker=self._waker((wt, wtid, wus, wks, what, wcomm), deadline),
                 ))
             self._event_tail.clear()
 
@@ -435,14 +443,26 @@ class BpfSource:
         return start
 
     def _sample(self, tgid: int, tid: int, st: int, us: int, ks: int, total: int,
-                count: int, mx: int, comm: bytes, from_event: bool, deadline: float) -> Sample:
+                count: int, mx: int, comm: bytes, waker: RawWaker, from_event: bool,
+                deadline: float) -> Sample:
         kernel, user, before = self._frames_of(tgid, tid, st, us, ks, deadline)
         return Sample(
             pid=tgid, tid=tid, comm=decode_comm(comm), state=state_name(st),
             offcpu_ns=int(total), count=int(count), max_ns=int(mx),
             kernel=kernel, user=user, from_event=from_event, start=self._start_of(tgid),
-            before_start=before,
+            before_start=before, waker=self._waker(waker, deadline),
         )
+
+    def _waker(self, raw: RawWaker, deadline: float) -> Waker | None:
+        """The model's Waker of a raw one (None: not recorded)."""
+        tgid, tid, us, ks, what, comm = raw
+        kind = WAKER_KINDS.get(what >> 24, "")
+        if not kind or not self.config.wakers:
+            return None
+        if kind != "task":
+            return Waker(0, 0, "", kind, what & 0xFFFFFF, self._kernel(ks))
+        return Waker(tgid, tid, decode_comm(comm), kind, 0, self._kernel(ks),
+                     self._user(tgid, us, deadline) if us >= 0 else ())
 
     def _frames_of(self, tgid: int, tid: int, st: int, us: int, ks: int, deadline: float,
                    ts: int | None = None) -> tuple[tuple[Frame, ...], tuple[Frame, ...], bool]:

@@ -45,6 +45,8 @@
 //   OFFTOP_STACK_ENTRIES, OFFTOP_USTACK_ENTRIES, OFFTOP_AGG_ENTRIES: map sizes
 //   OFFTOP_SLOTS          per-thread record slots (offcpu_slots)
 //   OFFTOP_KSTACK_DEPTH, OFFTOP_USTACK_DEPTH: frames kept per stack
+//   OFFTOP_WAKERS         1: record who wakes each block (sched_waking, irq tracepoints)
+//   OFFTOP_IRQ_VECTORS    1: the x86 irq_vectors tracepoints exist (timer, IPIs)
 
 // Normalized prev_state, as __trace_sched_switch_state() reports it: one bit
 // per TASK_REPORT state; TASK_REPORT_MAX (0x100) means "preempted while
@@ -73,6 +75,25 @@
 #define CFG_GEN 0       // aggregate generation: counts up; its parity picks the maps
 #define CFG_ARMED 1     // 1 once Python has written every map the program reads
 #define CFG_CGROUP_GEN 2 // bumped by the program on every cgroup migration
+#define CFG_WAKER_MIN 3  // take a waker's stacks only for blocks at least this long (ns)
+
+// Who ended a block: the task that woke it, or an interrupt. Mirrored by
+// decode.Waker. `what` is WAKER_* << 24 | the irq or softirq number.
+#define WAKER_NONE 0        // not seen (offtop started while it was waking)
+#define WAKER_TASK 1
+#define WAKER_HARDIRQ 2     // a device interrupt handler (number: the irq)
+#define WAKER_SOFTIRQ 3     // softirq work (number: the softirq vector)
+#define WAKER_TIMER 4       // the local timer interrupt (hrtimer expiry)
+#define WAKER_IPI 5         // an inter-processor call or irq_work
+struct waker {
+    u32 tgid;       // 0 for an interrupt
+    u32 tid;
+    s32 ustack;     // -1: not taken (shorter than CFG_WAKER_MIN, or no user context)
+    s32 kstack;
+    u32 what;
+    u32 pad;
+    char comm[16];
+};
 
 // One per thread seen switching out. Mirrored by decode.StartRecord (Python
 // scans the slot array with decode.owned_slots). ts == 0: the
@@ -94,6 +115,7 @@ struct start_rec {
     u64 upc;
     u64 usp;
     u64 ubp;
+    struct waker w; // who woke it, set by sched_waking (w.what == 0: nobody yet)
 };
 #define REC_SKIP 1      // never recorded (kernel thread, offtop itself, outside -p/-t)
 #define REC_NO_USER 2   // no user stack to walk (kernel thread, io_uring/vhost worker)
@@ -118,6 +140,7 @@ struct acc_rec {
     u64 max_ns;
     u64 count;
     char comm[16];
+    struct waker w;
 };
 
 // Mirrored by decode.AggKey.
@@ -127,7 +150,11 @@ struct agg_key {
     s32 ustack;
     s32 kstack;
     u32 state;
-    u32 pad;
+    u32 waker_tgid;
+    u32 waker_tid;
+    s32 waker_ustack;
+    s32 waker_kstack;
+    u32 waker_what;
 };
 
 // Mirrored by decode.AggValue.
@@ -136,6 +163,7 @@ struct agg_val {
     u64 max_ns;
     u64 count;
     char comm[16];
+    char waker_comm[16];
 };
 
 // Mirrored by decode.OffcpuEvent.
@@ -150,6 +178,7 @@ struct offcpu_event {
     u32 state;
     u32 cpu;
     char comm[16];
+    struct waker w;
 };
 
 struct kstack_t { u64 ip[OFFTOP_KSTACK_DEPTH]; };
@@ -159,6 +188,16 @@ struct ustack_t { u64 ip[OFFTOP_USTACK_DEPTH]; };
 // true BPF globals, so it is a one-slot array map of the global's name).
 BPF_ARRAY(offcpu_thresh_ns, u64, 1);
 BPF_ARRAY(offtop_config, u64, 4);
+#if OFFTOP_WAKERS
+// The interrupt a CPU is in, kept by the irq tracepoints below: sched_waking
+// runs in whatever context wakes the task, and in an interrupt the current
+// task is just whoever was interrupted, not the waker.
+struct irq_ctx {
+    u32 depth;
+    u32 what;       // WAKER_* << 24 | number, of the innermost one
+};
+BPF_PERCPU_ARRAY(irq_now, struct irq_ctx, 1);
+#endif
 BPF_PERCPU_ARRAY(offtop_counters, u64, C_MAX);
 BPF_PERCPU_ARRAY(offcpu_payload, struct offcpu_event, 1);
 BPF_PERF_OUTPUT(offcpu_events);
@@ -363,7 +402,7 @@ static __always_inline u32 classify(void *args, u32 tgid, u32 tid)
 // memory, at a frame pointer no frame can have: below the first page
 // (mmap_min_addr), not 8-byte aligned, or past the user address space.
 // 32-bit tasks go to the kernel's walker.
-static __always_inline int walk_user_stack(void *args, struct start_rec *rec)
+static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_rec *rec)
 {
     u32 zero = 0;
     struct ustack_scratch_t *st = ustack_scratch.lookup(&zero);
@@ -378,9 +417,11 @@ static __always_inline int walk_user_stack(void *args, struct start_rec *rec)
     bpf_probe_read_kernel(&fp, sizeof(fp), regs + 32);
     if ((ip_cs[1] & 3) != 3 || ip_cs[0] == 0)
         return -14;             // not user mode: nothing to walk
-    rec->upc = ip_cs[0];
-    rec->usp = ip_cs[3];
-    rec->ubp = fp;
+    if (rec) {
+        rec->upc = ip_cs[0];
+        rec->usp = ip_cs[3];
+        rec->ubp = fp;
+    }
     // The id is a hash of the frames, mixed in as they are read.
     u64 h = 0x9E3779B97F4A7C15ULL;
     u32 n;
@@ -396,7 +437,7 @@ static __always_inline int walk_user_stack(void *args, struct start_rec *rec)
         n = 1;
         u64 pc = ip_cs[0], sp = ip_cs[3], bp = fp;
         struct rule_key rk = {};
-        rk.tgid = rec->tgid;
+        rk.tgid = tgid;
         for (u32 i = 1; i < OFFTOP_USTACK_DEPTH; i++) {
             rk.pc = pc;
             u64 *rule = unwind_rules.lookup(&rk);
@@ -534,7 +575,7 @@ static __always_inline void on_switch_out(void *args, u32 tid, long prev_state, 
         ustack = -14;
     else
 #if defined(__x86_64__)
-        ustack = walk_user_stack(args, rec);
+        ustack = walk_user_stack(args, rec->tgid, rec);
 #else
         ustack = user_stacks.get_stackid(args, BPF_F_USER_STACK);
 #endif
@@ -554,6 +595,7 @@ static __always_inline void on_switch_out(void *args, u32 tid, long prev_state, 
     rec->state = state;
     rec->ustack = ustack;
     rec->kstack = kstack;
+    rec->w.what = WAKER_NONE;
     // A thread's cgroup changes only by migration, and every migration bumps
     // CFG_CGROUP_GEN after it is done (see the cgroup hooks below): a cgroup
     // id read under the current generation is still the thread's. The
@@ -598,6 +640,7 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
         ev->kstack = s.kstack;
         ev->state = s.state;
         ev->cpu = bpf_get_smp_processor_id();
+        ev->w = s.w;
         bpf_probe_read_kernel(&ev->comm, sizeof(ev->comm), next_comm);
         if (offcpu_events.perf_submit(args, ev, sizeof(*ev)) != 0)
             count(C_OUTPUT_FAIL);
@@ -625,12 +668,15 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
                 a->total_ns = delta;
                 a->max_ns = delta;
                 a->count = 1;
+                a->w = s.w;
                 bpf_probe_read_kernel(&a->comm, sizeof(a->comm), next_comm);
                 a->tag = tag;
                 return;
             }
             if (a->tid == tid && a->state == s.state && a->ustack == s.ustack &&
-                a->kstack == s.kstack) {
+                a->kstack == s.kstack && a->w.tid == s.w.tid && a->w.tgid == s.w.tgid &&
+                a->w.what == s.w.what && a->w.ustack == s.w.ustack &&
+                a->w.kstack == s.w.kstack) {
                 a->total_ns += delta;
                 a->count += 1;
                 if (delta > a->max_ns)
@@ -646,6 +692,11 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
     key.ustack = s.ustack;
     key.kstack = s.kstack;
     key.state = s.state;
+    key.waker_tgid = s.w.tgid;
+    key.waker_tid = s.w.tid;
+    key.waker_ustack = s.w.ustack;
+    key.waker_kstack = s.w.kstack;
+    key.waker_what = s.w.what;
 
     struct agg_val *val;
     if (g & 1) {
@@ -653,6 +704,7 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
         if (!val) {
             struct agg_val init = {};
             bpf_probe_read_kernel(&init.comm, sizeof(init.comm), next_comm);
+            __builtin_memcpy(init.waker_comm, s.w.comm, sizeof(init.waker_comm));
             offcpu_agg1.insert(&key, &init);
             val = offcpu_agg1.lookup(&key);
         }
@@ -661,6 +713,7 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
         if (!val) {
             struct agg_val init = {};
             bpf_probe_read_kernel(&init.comm, sizeof(init.comm), next_comm);
+            __builtin_memcpy(init.waker_comm, s.w.comm, sizeof(init.waker_comm));
             offcpu_agg0.insert(&key, &init);
             val = offcpu_agg0.lookup(&key);
         }
@@ -689,6 +742,92 @@ TRACEPOINT_PROBE(sched, sched_switch)
     on_switch_out(args, args->prev_pid, args->prev_state, now);
     return 0;
 }
+
+#if OFFTOP_WAKERS
+// A recorded task is being woken: remember by whom, in its record; the block
+// it ends carries that into its event or aggregate. This runs in the waking
+// context (current is the waker, unless in an interrupt), under the wakee's
+// pi_lock, before the wakee can run: its switch-in sees a complete record.
+// The first wakeup of a block wins. Stacks are taken only for blocks long
+// enough to matter (CFG_WAKER_MIN): wakeups are as frequent as switches.
+TRACEPOINT_PROBE(sched, sched_waking)
+{
+    u32 armed_slot = CFG_ARMED;
+    u64 *armed = offtop_config.lookup(&armed_slot);
+    if (!armed || !*armed)
+        return 0;
+    u32 slot;
+    struct start_rec *rec = find_rec_at(args->pid, &slot);
+    if (!rec || rec->ts == 0 || rec->w.what != WAKER_NONE)
+        return 0;
+    u32 zero = 0;
+    struct irq_ctx *irq = irq_now.lookup(&zero);
+    struct waker w = {};
+    w.ustack = -1;
+    w.kstack = -1;
+    if (irq && irq->depth) {
+        w.what = irq->what;
+    } else {
+        u64 id = bpf_get_current_pid_tgid();
+        w.tgid = id >> 32;
+        w.tid = (u32)id;
+        w.what = WAKER_TASK << 24;
+        bpf_get_current_comm(&w.comm, sizeof(w.comm));
+    }
+    u32 min_slot = CFG_WAKER_MIN;
+    u64 *min = offtop_config.lookup(&min_slot);
+    if (min && bpf_ktime_get_ns() - rec->ts >= *min) {
+#if OFFTOP_KERNEL_STACKS
+        w.kstack = kernel_stacks.get_stackid(args, 0);
+#endif
+#if OFFTOP_USER_STACKS && defined(__x86_64__)
+        if (w.tid)
+            w.ustack = walk_user_stack(args, w.tgid, NULL);
+#endif
+    }
+    rec->w = w;
+    return 0;
+}
+
+static __always_inline void irq_enter(u32 what)
+{
+    u32 zero = 0;
+    struct irq_ctx *c = irq_now.lookup(&zero);
+    if (c) {
+        c->depth++;
+        c->what = what;
+    }
+}
+
+static __always_inline void irq_leave(void)
+{
+    u32 zero = 0;
+    struct irq_ctx *c = irq_now.lookup(&zero);
+    if (c && c->depth)
+        c->depth--;
+}
+
+// bcc attaches these one by one (by name: each entry before its exit), so
+// interrupts that began in between are counted in and never out: Python
+// zeroes irq_now once every program is attached (Probe.arm), and an exit
+// without its entry is ignored.
+TRACEPOINT_PROBE(irq, irq_handler_exit) { irq_leave(); return 0; }
+TRACEPOINT_PROBE(irq, softirq_exit) { irq_leave(); return 0; }
+#if OFFTOP_IRQ_VECTORS
+TRACEPOINT_PROBE(irq_vectors, local_timer_exit) { irq_leave(); return 0; }
+TRACEPOINT_PROBE(irq_vectors, call_function_exit) { irq_leave(); return 0; }
+TRACEPOINT_PROBE(irq_vectors, call_function_single_exit) { irq_leave(); return 0; }
+#endif
+TRACEPOINT_PROBE(irq, irq_handler_entry) { irq_enter(WAKER_HARDIRQ << 24 | (args->irq & 0xffffff)); return 0; }
+TRACEPOINT_PROBE(irq, softirq_entry) { irq_enter(WAKER_SOFTIRQ << 24 | (args->vec & 0xffffff)); return 0; }
+#if OFFTOP_IRQ_VECTORS
+TRACEPOINT_PROBE(irq_vectors, local_timer_entry) { irq_enter(WAKER_TIMER << 24); return 0; }
+TRACEPOINT_PROBE(irq_vectors, call_function_entry) { irq_enter(WAKER_IPI << 24); return 0; }
+TRACEPOINT_PROBE(irq_vectors, call_function_single_entry) { irq_enter(WAKER_IPI << 24); return 0; }
+// (irq_work_* refuse perf sampling events, which is how tracepoints attach:
+// a wakeup from irq_work is credited to the interrupted task.)
+#endif
+#endif
 
 // A task is gone for good (after its last switch): drop its record, so the
 // tid, when reused, is classified afresh. Runs from an RCU callback, after

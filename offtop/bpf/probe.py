@@ -35,14 +35,17 @@ PROBE_FUNCTION = b"tracepoint__sched__sched_switch"
 # offcpu.c's offtop_config slots.
 CFG_GEN = 0
 CFG_ARMED = 1
+CFG_WAKER_MIN = 3
 #: offcpu.c SLOT_PROBES: a thread's record is in one of these slots from tid % slots.
 SLOT_PROBES = 4
 BPF_NOEXIST = 1
 _U64 = struct.Struct("<Q")
 
+#: A waker as the probe keeps it: (tgid, tid, ustack, kstack, what, comm bytes).
+RawWaker = tuple[int, int, int, int, int, bytes]
 #: An aggregated row as the probe keeps it, stacks still ids:
-#: (tgid, tid, state, ustack, kstack, total_ns, count, max_ns, comm bytes).
-RawRow = tuple[int, int, int, int, int, int, int, int, bytes]
+#: (tgid, tid, state, ustack, kstack, total_ns, count, max_ns, comm bytes, waker).
+RawRow = tuple[int, int, int, int, int, int, int, int, bytes, RawWaker]
 
 
 class Probe:
@@ -70,6 +73,8 @@ class Probe:
         except Exception as e:  # bcc raises bare Exception on compile/load/attach errors
             raise EngineError(environment.load_failure(str(e), log.text)) from None
         self.set_threshold(threshold_ns)
+        self._table("offtop_config")[ct.c_int(CFG_WAKER_MIN)] = ct.c_uint64(
+            self.config.waker_stacks_min_ns)
         if self.config.pids or self.config.tids:
             one = ct.c_uint8(1)
             for pid in self.config.pids:
@@ -102,6 +107,13 @@ class Probe:
 
     def arm(self) -> None:
         """Start recording (offcpu.c CFG_ARMED): every map and ring is in place."""
+        if self.config.wakers:
+            # bcc attached the irq programs one by one (by name: each entry
+            # before its exit), so interrupts that began in between were
+            # counted in and never out. Every program is attached now: start
+            # the count from zero (an exit without its entry is ignored).
+            table = self._table("irq_now")
+            table[ct.c_int(0)] = table.Leaf(*([table.sLeaf(0, 0)] * table.total_cpu))
         self._table("offtop_config")[ct.c_int(CFG_ARMED)] = ct.c_uint64(1)
 
     def close(self) -> None:
@@ -205,11 +217,13 @@ class Probe:
         time.sleep(0.0005)
         for k, v in self._table(f"offcpu_agg{old & 1}").items_lookup_and_delete_batch():
             yield (k.tgid, k.tid, k.state, k.ustack, k.kstack, v.total_ns, v.count, v.max_ns,
-                   bytes(v.comm))
+                   bytes(v.comm), (k.waker_tgid, k.waker_tid, k.waker_ustack, k.waker_kstack,
+                                   k.waker_what, bytes(v.waker_comm)))
         assert self._acc_mm is not None
         for a in generation_sums(self._acc_mm, self.config.start_entries, old):
+            w = a.w
             yield (a.tgid, a.tid, a.state, a.ustack, a.kstack, a.total_ns, a.count, a.max_ns,
-                   bytes(a.comm))
+                   bytes(a.comm), (w.tgid, w.tid, w.ustack, w.kstack, w.what, bytes(w.comm)))
 
     def thread_records(self) -> list[tuple[int, StartRecord, int]]:
         """(tid, record, slot) of every thread the program has a record of.
