@@ -63,38 +63,32 @@ class Frame:
 class Waker:
     """Who ended a block: a task, or an interrupt (then pid and tid are 0).
 
-    `kind` is "task", "irq" (a device interrupt, `number` its irq), "softirq"
-    (`number` its vector), "timer" (the local timer interrupt: an expired
-    sleep or timeout) or "ipi" (a call from another CPU). Stacks are taken
-    only for blocks long enough to matter: () when not taken.
+    `kind` is "task", or for an interrupt what its kernel stack shows:
+    "timer" (an expired sleep or timeout), "softirq" (`comm` its work, e.g.
+    NET_RX), "irq" (a device's handler) or "interrupt" (not known: its stack
+    was not taken). Stacks are taken only for blocks long enough to matter:
+    () when not taken.
     """
 
     pid: int
     tid: int
     comm: str
     kind: str = "task"
-    number: int = 0
     kernel: tuple[Frame, ...] = ()
     user: tuple[Frame, ...] = ()
 
     @property
     def label(self) -> str:
-        """How a waker is named: its comm, or what interrupted ("timer interrupt")."""
+        """How a waker is named: its comm, or what interrupted ("[timer interrupt]")."""
         if self.kind == "task":
             return self.comm
         if self.kind == "softirq":
-            name = SOFTIRQ_NAMES.get(self.number, str(self.number))
-            return f"[softirq {name}]"
+            return f"[softirq {self.comm}]" if self.comm else "[softirq]"
+        if self.kind == "timer":
+            return "[timer interrupt]"
         if self.kind == "irq":
-            return f"[irq {self.number}]"
-        return f"[{self.kind} interrupt]" if self.kind else "[unknown]"
-
-
-#: Softirq vectors (include/linux/interrupt.h), for naming wakers.
-SOFTIRQ_NAMES: Mapping[int, str] = {
-    0: "HI", 1: "TIMER", 2: "NET_TX", 3: "NET_RX", 4: "BLOCK", 5: "IRQ_POLL", 6: "TASKLET",
-    7: "SCHED", 8: "HRTIMER", 9: "RCU",
-}
+            return "[device interrupt]"
+        return "[interrupt]"
 
 
 @dataclass(frozen=True, slots=True)

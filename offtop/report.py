@@ -54,7 +54,7 @@ def waker_to_json(w: Waker | None) -> dict[str, Any] | None:
     """A waker as JSON: pid/tid 0 and `kind` other than "task" for an interrupt."""
     if w is None:
         return None
-    return {"pid": w.pid, "tid": w.tid, "comm": w.comm, "kind": w.kind, "number": w.number,
+    return {"pid": w.pid, "tid": w.tid, "comm": w.comm, "kind": w.kind,
             "kernel": _frames_json(w.kernel), "user": _frames_json(w.user),
             "user_modules": _modules_json(w.user)}
 
@@ -64,7 +64,7 @@ def waker_from_json(d: Mapping[str, Any] | None) -> Waker | None:
     if not d:
         return None
     return Waker(pid=int(d["pid"]), tid=int(d["tid"]), comm=str(d["comm"]),
-                 kind=str(d.get("kind", "task")), number=int(d.get("number", 0)),
+                 kind=str(d.get("kind", "task")),
                  kernel=_frames(d.get("kernel", ()), True),
                  user=_frames(d.get("user", ()), False, d.get("user_modules", ())))
 

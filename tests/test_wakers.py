@@ -157,7 +157,7 @@ def test_timer_expiry_is_an_interrupt_with_its_path(run: Any) -> None:
     stacks = stacks_of(snapshots((w.pid,), 4), w.tid)
 
     def by_timer(k: Waker) -> bool:
-        return (k.kind in ("timer", "softirq") and k.pid == 0 and k.tid == 0
+        return (k.kind == "timer" and k.pid == 0 and k.tid == 0
                 and "hrtimer_wakeup" in names(k.kernel))
 
     assert waker_share(stacks, by_timer) >= 0.9

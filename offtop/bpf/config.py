@@ -8,12 +8,6 @@ from dataclasses import dataclass, field
 from offtop.bpf.decode import DEFAULT_STATES, state_mask
 
 
-def _has_irq_vectors() -> bool:
-    """Does this kernel have x86's irq_vectors tracepoints (timer interrupt, IPIs)?"""
-    return any(os.path.exists(f"{d}/events/irq_vectors/local_timer_entry")
-               for d in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"))
-
-
 class EngineError(RuntimeError):
     """The engine could not start; the message is one line for users."""
 
@@ -88,7 +82,6 @@ class EngineConfig:
             "OFFTOP_KSTACK_DEPTH": self.kstack_depth,
             "OFFTOP_USTACK_DEPTH": self.ustack_depth,
             "OFFTOP_WAKERS": int(self.wakers),
-            "OFFTOP_IRQ_VECTORS": int(self.wakers and _has_irq_vectors()),
         }
         for name, v in ints.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 1 << 24:

@@ -78,7 +78,7 @@ class Waker(ct.Structure):
 
 
 #: offcpu.c WAKER_*: the kind of waker, in `what >> 24` (the low 24 bits: a number).
-WAKER_KINDS: dict[int, str] = {0: "", 1: "task", 2: "irq", 3: "softirq", 4: "timer", 5: "ipi"}
+WAKER_KINDS: dict[int, str] = {0: "", 1: "task", 2: "interrupt"}
 
 
 class StartRecord(ct.Structure):

@@ -460,8 +460,10 @@ class BpfSource:
         if not kind or not self.config.wakers:
             return None
         if kind != "task":
-            return Waker(0, 0, "", kind, what & 0xFFFFFF, self._kernel(ks))
-        return Waker(tgid, tid, decode_comm(comm), kind, 0, self._kernel(ks),
+            kernel = self._kernel(ks)
+            kind, work = interrupt_kind(kernel)
+            return Waker(0, 0, work, kind, kernel)
+        return Waker(tgid, tid, decode_comm(comm), kind, self._kernel(ks),
                      self._user(tgid, us, deadline) if us >= 0 else ())
 
     def _frames_of(self, tgid: int, tid: int, st: int, us: int, ks: int, deadline: float,
@@ -690,6 +692,34 @@ class _Budget:
 
     def __exit__(self, *exc: object) -> None:
         self.left -= self._clock() - self._t0
+
+
+#: A softirq's handler, for naming the work an interrupt did (include/linux/interrupt.h).
+_SOFTIRQ_WORK = {"run_timer_softirq": "TIMER", "net_rx_action": "NET_RX",
+                 "net_tx_action": "NET_TX", "blk_done_softirq": "BLOCK", "rcu_core": "RCU",
+                 "tasklet_action": "TASKLET", "tasklet_hi_action": "HI",
+                 "hrtimer_run_softirq": "HRTIMER", "run_rebalance_domains": "SCHED",
+                 "irq_poll_softirq": "IRQ_POLL"}
+
+
+def interrupt_kind(kernel: tuple[Frame, ...]) -> tuple[str, str]:
+    """What an interrupt that woke a task was, from its kernel stack: (kind, work).
+
+    kind: "timer", "softirq" (work: its vector's name), "irq", or "interrupt"
+    when the stack was not taken or says nothing known.
+    """
+    names = [f.name for f in kernel]
+    for n in names:
+        work = _SOFTIRQ_WORK.get(n)
+        if work is not None:
+            return "softirq", work
+    if any(n.startswith(("hrtimer_", "__hrtimer_")) or "apic_timer" in n for n in names):
+        return "timer", ""
+    if any("softirq" in n for n in names):
+        return "softirq", ""
+    if any(n.startswith(("handle_irq_event", "__handle_irq_event")) for n in names):
+        return "irq", ""
+    return "interrupt", ""
 
 
 def _resolved(frames: tuple[Frame, ...]) -> int:

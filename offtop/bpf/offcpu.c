@@ -45,8 +45,7 @@
 //   OFFTOP_STACK_ENTRIES, OFFTOP_USTACK_ENTRIES, OFFTOP_AGG_ENTRIES: map sizes
 //   OFFTOP_SLOTS          per-thread record slots (offcpu_slots)
 //   OFFTOP_KSTACK_DEPTH, OFFTOP_USTACK_DEPTH: frames kept per stack
-//   OFFTOP_WAKERS         1: record who wakes each block (sched_waking, irq tracepoints)
-//   OFFTOP_IRQ_VECTORS    1: the x86 irq_vectors tracepoints exist (timer, IPIs)
+//   OFFTOP_WAKERS         1: record who wakes each block (sched_waking)
 
 // Normalized prev_state, as __trace_sched_switch_state() reports it: one bit
 // per TASK_REPORT state; TASK_REPORT_MAX (0x100) means "preempted while
@@ -81,10 +80,7 @@
 // decode.Waker. `what` is WAKER_* << 24 | the irq or softirq number.
 #define WAKER_NONE 0        // not seen (offtop started while it was waking)
 #define WAKER_TASK 1
-#define WAKER_HARDIRQ 2     // a device interrupt handler (number: the irq)
-#define WAKER_SOFTIRQ 3     // softirq work (number: the softirq vector)
-#define WAKER_TIMER 4       // the local timer interrupt (hrtimer expiry)
-#define WAKER_IPI 5         // an inter-processor call or irq_work
+#define WAKER_IRQ 2         // an interrupt (its kernel stack says which: timer, softirq, ...)
 struct waker {
     u32 tgid;       // 0 for an interrupt
     u32 tid;
@@ -188,16 +184,7 @@ struct ustack_t { u64 ip[OFFTOP_USTACK_DEPTH]; };
 // true BPF globals, so it is a one-slot array map of the global's name).
 BPF_ARRAY(offcpu_thresh_ns, u64, 1);
 BPF_ARRAY(offtop_config, u64, 4);
-#if OFFTOP_WAKERS
-// The interrupt a CPU is in, kept by the irq tracepoints below: sched_waking
-// runs in whatever context wakes the task, and in an interrupt the current
-// task is just whoever was interrupted, not the waker.
-struct irq_ctx {
-    u32 depth;
-    u32 what;       // WAKER_* << 24 | number, of the innermost one
-};
-BPF_PERCPU_ARRAY(irq_now, struct irq_ctx, 1);
-#endif
+
 BPF_PERCPU_ARRAY(offtop_counters, u64, C_MAX);
 BPF_PERCPU_ARRAY(offcpu_payload, struct offcpu_event, 1);
 BPF_PERF_OUTPUT(offcpu_events);
@@ -744,14 +731,58 @@ TRACEPOINT_PROBE(sched, sched_switch)
 }
 
 #if OFFTOP_WAKERS
+// sched_waking runs in whatever context wakes the task, and in an interrupt
+// the current task is just whoever was interrupted, not the waker. On
+// x86-64 interrupts (and the softirqs run as they return) use a per-CPU
+// interrupt stack, not the task's own, and a BPF program's frame lives on
+// whichever stack is in use: outside the current task's stack, whose top is
+// just above its saved user registers, it runs in an interrupt. (Softirqs
+// run by ksoftirqd are that thread's work: it is named as the waker, and
+// its kernel stack shows the softirq.)
+//
+// A program with a large frame may get a private, per-CPU stack (kernel
+// 6.13+), which would say nothing, so this check is a program of its own
+// with a tiny frame, attached to sched_waking (by bcc, as it loads) before
+// on_sched_waking (by Python, after), which runs after it on the same CPU
+// with interrupts as they were; the answer is handed over per CPU, tagged
+// with the wakee. Other architectures:
+// every waker is taken for a task.
+#define KERNEL_STACK_SIZE 16384
+#define PT_REGS_SIZE 168
+struct waking_ctx {
+    u32 wakee;
+    u32 irq;
+};
+BPF_PERCPU_ARRAY(waking_now, struct waking_ctx, 1);
+
+TRACEPOINT_PROBE(sched, sched_waking)
+{
+    u32 zero = 0;
+    struct waking_ctx *c = waking_now.lookup(&zero);
+    if (!c)
+        return 0;
+    c->wakee = args->pid;
+#if defined(__x86_64__)
+    struct task_struct *task = bpf_get_current_task_btf();
+    u64 top = (u64)bpf_task_pt_regs(task) + PT_REGS_SIZE;
+    u64 at = (u64)&zero;
+    c->irq = at >= top || at < top - KERNEL_STACK_SIZE;
+#else
+    c->irq = 0;
+#endif
+    return 0;
+}
+
 // A recorded task is being woken: remember by whom, in its record; the block
 // it ends carries that into its event or aggregate. This runs in the waking
 // context (current is the waker, unless in an interrupt), under the wakee's
 // pi_lock, before the wakee can run: its switch-in sees a complete record.
 // The first wakeup of a block wins. Stacks are taken only for blocks long
 // enough to matter (CFG_WAKER_MIN): wakeups are as frequent as switches.
-TRACEPOINT_PROBE(sched, sched_waking)
+// Attached by Python, after the sched_waking probe above.
+int on_sched_waking(void *tp_ctx)
 {
+    struct tracepoint__sched__sched_waking *args = tp_ctx;
     u32 armed_slot = CFG_ARMED;
     u64 *armed = offtop_config.lookup(&armed_slot);
     if (!armed || !*armed)
@@ -761,12 +792,12 @@ TRACEPOINT_PROBE(sched, sched_waking)
     if (!rec || rec->ts == 0 || rec->w.what != WAKER_NONE)
         return 0;
     u32 zero = 0;
-    struct irq_ctx *irq = irq_now.lookup(&zero);
+    struct waking_ctx *wc = waking_now.lookup(&zero);
     struct waker w = {};
     w.ustack = -1;
     w.kstack = -1;
-    if (irq && irq->depth) {
-        w.what = irq->what;
+    if (wc && wc->wakee == args->pid && wc->irq) {
+        w.what = WAKER_IRQ << 24;
     } else {
         u64 id = bpf_get_current_pid_tgid();
         w.tgid = id >> 32;
@@ -789,44 +820,6 @@ TRACEPOINT_PROBE(sched, sched_waking)
     return 0;
 }
 
-static __always_inline void irq_enter(u32 what)
-{
-    u32 zero = 0;
-    struct irq_ctx *c = irq_now.lookup(&zero);
-    if (c) {
-        c->depth++;
-        c->what = what;
-    }
-}
-
-static __always_inline void irq_leave(void)
-{
-    u32 zero = 0;
-    struct irq_ctx *c = irq_now.lookup(&zero);
-    if (c && c->depth)
-        c->depth--;
-}
-
-// bcc attaches these one by one (by name: each entry before its exit), so
-// interrupts that began in between are counted in and never out: Python
-// zeroes irq_now once every program is attached (Probe.arm), and an exit
-// without its entry is ignored.
-TRACEPOINT_PROBE(irq, irq_handler_exit) { irq_leave(); return 0; }
-TRACEPOINT_PROBE(irq, softirq_exit) { irq_leave(); return 0; }
-#if OFFTOP_IRQ_VECTORS
-TRACEPOINT_PROBE(irq_vectors, local_timer_exit) { irq_leave(); return 0; }
-TRACEPOINT_PROBE(irq_vectors, call_function_exit) { irq_leave(); return 0; }
-TRACEPOINT_PROBE(irq_vectors, call_function_single_exit) { irq_leave(); return 0; }
-#endif
-TRACEPOINT_PROBE(irq, irq_handler_entry) { irq_enter(WAKER_HARDIRQ << 24 | (args->irq & 0xffffff)); return 0; }
-TRACEPOINT_PROBE(irq, softirq_entry) { irq_enter(WAKER_SOFTIRQ << 24 | (args->vec & 0xffffff)); return 0; }
-#if OFFTOP_IRQ_VECTORS
-TRACEPOINT_PROBE(irq_vectors, local_timer_entry) { irq_enter(WAKER_TIMER << 24); return 0; }
-TRACEPOINT_PROBE(irq_vectors, call_function_entry) { irq_enter(WAKER_IPI << 24); return 0; }
-TRACEPOINT_PROBE(irq_vectors, call_function_single_entry) { irq_enter(WAKER_IPI << 24); return 0; }
-// (irq_work_* refuse perf sampling events, which is how tracepoints attach:
-// a wakeup from irq_work is credited to the interrupted task.)
-#endif
 #endif
 
 // A task is gone for good (after its last switch): drop its record, so the

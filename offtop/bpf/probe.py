@@ -13,6 +13,7 @@ import contextlib
 import ctypes as ct
 import mmap
 import struct
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from importlib import resources
@@ -86,6 +87,14 @@ class Probe:
                 self._table("cgroup_filter")[0] = self.config.cgroup
             except Exception as e:
                 raise EngineError(f"cannot use cgroup {self.config.cgroup}: {e}") from None
+        if self.config.wakers:
+            # After the probe bcc attached as it loaded: on_sched_waking reads
+            # what that one found (offcpu.c).
+            try:
+                self._bpf.attach_tracepoint(tp=b"sched:sched_waking", fn_name=b"on_sched_waking")
+            except Exception as e:  # bcc raises bare Exception
+                raise EngineError(f"could not attach to sched:sched_waking: {e} "
+                                  "(--no-wakers runs without it)") from None
         funcs = self._bpf.funcs
         self.prog_fd = funcs[PROBE_FUNCTION].fd if PROBE_FUNCTION in funcs else -1
         # The per-thread records and their short-block sums, mapped: read from memory.
@@ -107,13 +116,6 @@ class Probe:
 
     def arm(self) -> None:
         """Start recording (offcpu.c CFG_ARMED): every map and ring is in place."""
-        if self.config.wakers:
-            # bcc attached the irq programs one by one (by name: each entry
-            # before its exit), so interrupts that began in between were
-            # counted in and never out. Every program is attached now: start
-            # the count from zero (an exit without its entry is ignored).
-            table = self._table("irq_now")
-            table[ct.c_int(0)] = table.Leaf(*([table.sLeaf(0, 0)] * table.total_cpu))
         self._table("offtop_config")[ct.c_int(CFG_ARMED)] = ct.c_uint64(1)
 
     def close(self) -> None:
@@ -123,9 +125,30 @@ class Probe:
                 mm.close()
         self.slots_mm = self._acc_mm = None
         if self._bpf is not None:
+            self._detach_tracepoints()
             self._bpf.cleanup()
             self._bpf = None
         self._tables.clear()
+
+    def _detach_tracepoints(self) -> None:
+        """Close every tracepoint's perf event at once.
+
+        The last perf user of a tracepoint waits for an RCU grace period as
+        it goes (tens of ms here); bcc closes them one after another, which
+        with a dozen tracepoints held offtop's exit for over a second. Each
+        close here runs in its own thread (ctypes lets go of the GIL), so
+        the waits overlap.
+        """
+        from bcc.libbcc import lib
+
+        fds = self._bpf.tracepoint_fds
+        closers = [threading.Thread(target=lib.bpf_close_perf_event_fd, args=(fd,),
+                                    name="offtop-detach", daemon=True) for fd in fds.values()]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(timeout=5.0)
+        fds.clear()
 
     def _table(self, name: str) -> Any:
         t = self._tables.get(name)
