@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 #: Task states offtop reports, as the sched_switch tracepoint normalizes them.
 STATE_NAMES: Mapping[str, str] = {
@@ -163,6 +165,33 @@ class BlockedNow:
     before_start: bool = False
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class RowKey:
+    """Names a row of the task table across snapshots: a thread or a process."""
+
+    kind: Literal["thread", "process"]
+    id: int
+    """The thread's tid, or the process's pid."""
+
+    @classmethod
+    def thread(cls, tid: int) -> RowKey:
+        """The key of thread `tid`."""
+        return cls("thread", tid)
+
+    @classmethod
+    def process(cls, pid: int) -> RowKey:
+        """The key of process `pid`."""
+        return cls("process", pid)
+
+    @property
+    def is_process(self) -> bool:
+        """True for a process row."""
+        return self.kind == "process"
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.id}"
+
+
 @dataclass(frozen=True, slots=True)
 class TaskRow:
     """One thread's off-CPU time in the interval, and since offtop started."""
@@ -178,9 +207,9 @@ class TaskRow:
     events: int = 0
 
     @property
-    def key(self) -> str:
+    def key(self) -> RowKey:
         """A stable identity for keyed table rows."""
-        return f"t{self.tid}"
+        return RowKey.thread(self.tid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,9 +229,9 @@ class ProcessRow:
     cmdline: str = ""
 
     @property
-    def key(self) -> str:
+    def key(self) -> RowKey:
         """A stable identity for keyed table rows."""
-        return f"p{self.pid}"
+        return RowKey.process(self.pid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -594,3 +623,360 @@ def group_processes(
             if meta is not None:
                 rows[i] = dataclasses.replace(r, user=meta[0], cmdline=meta[1])
     return tuple(rows)
+
+
+# --- views of a snapshot (what the TUI derives from it) ------------------------
+
+#: The scheduler's own frames, at the top of every off-CPU kernel stack: they
+#: say nothing about why a task blocked, so summaries look past them.
+SCHEDULER_FRAMES = frozenset(
+    {"__schedule", "schedule", "finish_task_switch", "finish_task_switch.isra.0",
+     "__traceiter_sched_switch", "preempt_schedule_common", "schedule_preempt_disabled"}
+)
+
+#: Kernel functions that wait for *any* of many things, not for one resource:
+#: an event loop's poll (poll, select, epoll_wait, io_uring's completion wait),
+#: a parent's wait4/waitid, pause/sigsuspend, and the idle loops of kernel
+#: worker threads. A thread blocked there is idle, not held up.
+IDLE_KERNEL_FRAMES = frozenset(
+    {"do_epoll_wait", "ep_poll", "do_epoll_pwait", "do_sys_poll", "do_select",
+     "core_sys_select", "do_pselect", "kern_select", "do_wait", "kernel_wait4",
+     "kernel_waitid", "__do_sys_pause", "__x64_sys_pause", "sigsuspend",
+     "__x64_sys_rt_sigsuspend", "io_cqring_wait", "worker_thread", "smpboot_thread_fn",
+     "kthread_worker_fn", "rescuer_thread"}
+)
+
+#: Kernel functions of a futex wait (the names differ across kernel versions).
+FUTEX_WAIT_FRAMES = frozenset(
+    {"futex_wait", "futex_wait_queue", "futex_wait_queue_me", "futex_do_wait", "__futex_wait"}
+)
+
+#: User frames (substrings of their names) of a thread pool's worker waiting
+#: for work: a futex wait under one of them is idle. Deliberately short: a
+#: condition variable or a park in general is a lock wait, never idle.
+IDLE_POOL_FRAMES: tuple[str, ...] = (
+    "g_thread_pool_wait_for_new_task",   # glib
+    "runtime.notesleep", "runtime.stopm",  # Go: an M with nothing to run
+    "worker::Context::park",            # tokio's multi-thread workers
+    "rayon_core::sleep",                # rayon
+    "py:_worker (thread.py",            # concurrent.futures' ThreadPoolExecutor
+)
+
+#: User modules whose frames are plumbing, not the program (the innermost
+#: caller outside them is where a program blocked).
+_RUNTIME_MODULES = ("libc.so", "libc-", "libpthread", "ld-linux", "libdl")
+
+
+def is_idle_wait(kernel: Sequence[Frame], user: Sequence[Frame]) -> bool:
+    """True for a block that is a thread waiting for work, not for a resource.
+
+    The rule: some kernel frame is in `IDLE_KERNEL_FRAMES` (poll, select,
+    epoll_wait, wait4/waitid, pause, io_uring's wait, kernel worker idle
+    loops); or the kernel frames show a futex wait and some user frame's
+    name contains one of `IDLE_POOL_FRAMES` (an idle thread-pool worker).
+    A sleep (nanosleep) is not idle: a program asked for that time.
+    """
+    futex = False
+    for f in kernel:
+        if f.name in IDLE_KERNEL_FRAMES:
+            return True
+        futex = futex or f.name in FUTEX_WAIT_FRAMES
+    if not futex:
+        return False
+    return any(p in f.name for f in user for p in IDLE_POOL_FRAMES)
+
+
+def _runtime_frame(f: Frame) -> bool:
+    module = f.module.rpartition("/")[2]
+    return module.startswith(_RUNTIME_MODULES)
+
+
+def blocked_in(kernel: Sequence[Frame], user: Sequence[Frame]) -> Frame | None:
+    """The innermost frame that says where a program blocked, or None.
+
+    The innermost Python frame (`py:`) if there is one; else the innermost
+    resolved user frame outside libc, libpthread and the loader (the caller
+    of the syscall wrapper); else the innermost kernel frame that is not the
+    scheduler's. Marks (`[…]`) and unresolved frames are never the answer.
+    """
+    for f in user:
+        if f.name.startswith("py:"):
+            return f
+    for f in user:
+        if not f.unknown and not _runtime_frame(f):
+            return f
+    for f in kernel:
+        if not f.unknown and f.name not in SCHEDULER_FRAMES:
+            return f
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ChainInfo:
+    """What is known of one (kernel, user) callchain, whoever blocked in it."""
+
+    chain: int
+    """Equal for equal frames (by name, kernel and user apart)."""
+    idle: bool
+    """`is_idle_wait`."""
+    blocked_in: Frame | None
+    """`blocked_in`."""
+
+
+class ChainCatalog:
+    """Facts about callchains, each worked out once per distinct chain.
+
+    The engine hands out the same frame tuples for the same stack id interval
+    after interval, so facts are kept by the tuples' identity (the tuples are
+    held too, so an identity is never reused while kept); a chain seen in new
+    tuples (a replay, a re-symbolized stack) is found again by its names.
+    Bounded: past `max_entries` chains everything is forgotten at once, and
+    numbering goes on (a number is never given to two chains). Safe to share
+    between the worker thread and the event loop (one dict operation at a time).
+    """
+
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self._max = max_entries
+        self._by_id: dict[tuple[int, int], tuple[tuple[Frame, ...], tuple[Frame, ...],
+                                                 ChainInfo]] = {}
+        self._by_names: dict[tuple[tuple[str, ...], tuple[str, ...]], ChainInfo] = {}
+        self._texts: dict[int, str] = {}
+        self._next = 0
+
+    def info(self, kernel: tuple[Frame, ...], user: tuple[Frame, ...]) -> ChainInfo:
+        """The facts of one chain."""
+        hit = self._by_id.get((id(kernel), id(user)))
+        if hit is not None and hit[0] is kernel and hit[1] is user:
+            return hit[2]
+        if len(self._by_id) >= self._max:
+            self._by_id, self._by_names, self._texts = {}, {}, {}
+        names = (tuple([f.name for f in kernel]), tuple([f.name for f in user]))
+        info = self._by_names.get(names)
+        if info is None:
+            self._next += 1
+            info = self._by_names[names] = ChainInfo(
+                self._next, is_idle_wait(kernel, user), blocked_in(kernel, user))
+        self._by_id[(id(kernel), id(user))] = (kernel, user, info)
+        return info
+
+    def text(self, stack: StackRow) -> str:
+        """The chain's frame names, casefolded, for searching."""
+        chain = self.info(stack.kernel, stack.user).chain
+        text = self._texts.get(chain)
+        if text is None:
+            text = self._texts[chain] = "\n".join(
+                [f.name for f in stack.kernel] + [f.name for f in stack.user]).casefold()
+        return text
+
+
+#: How identical stacks are merged: not at all, across the threads of a
+#: process, or across processes with the same command (comm).
+MergeBy = Literal["none", "process", "command"]
+
+
+@dataclass(frozen=True, slots=True)
+class MergedStack:
+    """Identical callchains (same state and frames) summed across tasks.
+
+    `row` holds the sums, with the pid, tid and comm of the hottest member.
+    """
+
+    row: StackRow
+    threads: int = 1
+    processes: int = 1
+
+
+class SnapshotIndex:
+    """Lookups over one snapshot, built once per snapshot (in a worker thread).
+
+    Stacks by thread and by process (in rank order), rows by `RowKey`, and
+    the facts of every stack's chain from a shared `ChainCatalog`. Views that
+    cost more (frame-text matches, idle time per task) are worked out on first
+    use and kept. Not to be changed once built.
+    """
+
+    def __init__(self, snapshot: Snapshot, catalog: ChainCatalog | None = None) -> None:
+        self.snapshot = snapshot
+        self.catalog = catalog or ChainCatalog()
+        by_tid: dict[int, list[StackRow]] = {}
+        by_pid: dict[int, list[StackRow]] = {}
+        info = self.catalog.info
+        #: The chain facts of each stack row, by the row's identity.
+        self._facts: dict[int, ChainInfo] = {}
+        for s in snapshot.stacks:
+            by_tid.setdefault(s.tid, []).append(s)
+            by_pid.setdefault(s.pid, []).append(s)
+            self._facts[id(s)] = info(s.kernel, s.user)
+        self.by_tid: Mapping[int, tuple[StackRow, ...]] = {k: tuple(v) for k, v in by_tid.items()}
+        self.by_pid: Mapping[int, tuple[StackRow, ...]] = {k: tuple(v) for k, v in by_pid.items()}
+        rows: dict[RowKey, TaskRow | ProcessRow] = {t.key: t for t in snapshot.tasks}
+        rows.update((p.key, p) for p in snapshot.processes)
+        self.rows: Mapping[RowKey, TaskRow | ProcessRow] = rows
+        self._idle_ns: dict[int, int] | None = None
+        self._matches: tuple[str, frozenset[int], frozenset[int]] | None = None
+
+    @classmethod
+    def empty(cls) -> SnapshotIndex:
+        """The index of a snapshot with nothing in it."""
+        return cls(Snapshot(seq=0, time=0.0, interval_s=1.0, threshold_ns=0))
+
+    def stacks_of(self, key: RowKey) -> tuple[StackRow, ...]:
+        """The stacks of a thread or a process, most off-CPU time first."""
+        return (self.by_pid if key.is_process else self.by_tid).get(key.id, ())
+
+    def facts(self, stack: StackRow) -> ChainInfo:
+        """The chain facts of a stack (of this snapshot or any other)."""
+        hit = self._facts.get(id(stack))
+        return hit if hit is not None else self.catalog.info(stack.kernel, stack.user)
+
+    def counterpart(self, key: RowKey) -> RowKey | None:
+        """The row of the other mode for the same task: a thread's process,
+        or a process's main thread (else its hottest thread)."""
+        if not key.is_process:
+            row = self.rows.get(key)
+            return RowKey.process(row.pid) if row is not None else None
+        main = RowKey.thread(key.id)
+        if main in self.rows:
+            return main
+        stacks = self.by_pid.get(key.id, ())
+        return RowKey.thread(stacks[0].tid) if stacks else None
+
+    def cmdline(self, pid: int) -> str:
+        """A process's command line, when the snapshot has it."""
+        row = self.rows.get(RowKey.process(pid))
+        return row.cmdline if isinstance(row, ProcessRow) else ""
+
+    def idle_ns(self, key: RowKey) -> int:
+        """Off-CPU time of a thread or process in idle waits (`is_idle_wait`)."""
+        if self._idle_ns is None:
+            idle: dict[int, int] = {}
+            for s in self.snapshot.stacks:
+                if self._facts[id(s)].idle:
+                    idle[s.tid] = idle.get(s.tid, 0) + s.offcpu_ns
+                    idle[-s.pid - 1] = idle.get(-s.pid - 1, 0) + s.offcpu_ns
+            self._idle_ns = idle
+        return self._idle_ns.get(-key.id - 1 if key.is_process else key.id, 0)
+
+    def frames_contain(self, key: RowKey, text: str) -> bool:
+        """True if a stack of the thread or process has a frame containing `text`
+        (case-insensitive); worked out for the whole snapshot once per text."""
+        needle = text.casefold()
+        if self._matches is None or self._matches[0] != needle:
+            hits = [s for s in self.snapshot.stacks if needle in self.catalog.text(s)]
+            self._matches = (needle, frozenset(s.tid for s in hits),
+                             frozenset(s.pid for s in hits))
+        return key.id in self._matches[2 if key.is_process else 1]
+
+    def view(self, stacks: Iterable[StackRow], *, hide_idle: bool = False,
+             text: str = "") -> list[StackRow]:
+        """`stacks` without idle waits and/or only those with a frame containing `text`."""
+        needle = text.casefold()
+        out = []
+        for s in stacks:
+            if hide_idle and self.facts(s).idle:
+                continue
+            if needle and needle not in self.catalog.text(s):
+                continue
+            out.append(s)
+        return out
+
+
+def merge_identical(stacks: Iterable[StackRow], by: MergeBy,
+                    facts: Callable[[StackRow], ChainInfo]) -> list[MergedStack]:
+    """Sum stacks with the same state and frames: within a process, or across
+    processes with the same comm (`by`); most off-CPU time first.
+
+    `facts(stack)` gives each stack's chain (a `SnapshotIndex.facts`), so
+    equal chains are told by one number, not by comparing frames.
+    """
+    if by == "none":
+        return [MergedStack(s) for s in stacks]
+    groups: dict[tuple[object, ...], list[StackRow]] = {}
+    for s in stacks:
+        owner: object = s.pid if by == "process" else s.comm
+        key = (owner, s.state, s.before_start, facts(s).chain)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [s]
+        else:
+            group.append(s)
+    out = []
+    for members in groups.values():
+        top = members[0]
+        if len(members) > 1:
+            top = max(members, key=lambda s: s.offcpu_ns)
+            top = dataclasses.replace(
+                top, offcpu_ns=sum(s.offcpu_ns for s in members),
+                count=sum(s.count for s in members), max_ns=max(s.max_ns for s in members))
+        out.append(MergedStack(top, threads=len({s.tid for s in members}),
+                               processes=len({s.pid for s in members})))
+    out.sort(key=lambda m: (-m.row.offcpu_ns, m.row.tid, m.row.state))
+    return out
+
+
+@dataclass(slots=True)
+class _Running:
+    """One key's running total in `SinceStart` (private)."""
+
+    ns: int
+    count: int
+    max_ns: int
+    row: StackRow
+
+
+class SinceStart:
+    """Every stack's off-CPU time summed since offtop started (a cumulative view).
+
+    `add` takes each snapshot as it comes (in the worker thread); `ranked`
+    gives the totals as stack rows, most time first (from any thread: a lock
+    keeps the two apart). Keys are (thread, state, chain number), so adding a
+    snapshot costs a dictionary update per stack. Bounded: past `max_entries`
+    keys the smallest quarter is dropped and its time counted in `dropped_ns`.
+    """
+
+    def __init__(self, max_entries: int = 50_000) -> None:
+        self._max = max_entries
+        self._lock = threading.Lock()
+        self._totals: dict[tuple[int, str, bool, int], _Running] = {}
+        #: Off-CPU time of the keys dropped to stay bounded.
+        self.dropped_ns = 0
+        #: Snapshots added, and the time the first one began (unix seconds).
+        self.snapshots = 0
+        self.since = 0.0
+
+    def add(self, index: SnapshotIndex) -> None:
+        """Add one snapshot's stacks."""
+        snap = index.snapshot
+        facts = index.facts
+        with self._lock:
+            if not self.snapshots:
+                self.since = snap.time - snap.interval_s
+            self.snapshots += 1
+            totals = self._totals
+            for s in snap.stacks:
+                key = (s.tid, s.state, s.before_start, facts(s).chain)
+                cur = totals.get(key)
+                if cur is None:
+                    totals[key] = _Running(s.offcpu_ns, s.count, s.max_ns, s)
+                else:
+                    cur.ns += s.offcpu_ns
+                    cur.count += s.count
+                    cur.max_ns = max(cur.max_ns, s.max_ns)
+                    cur.row = s
+            if len(totals) > self._max:
+                self._shed()
+
+    def _shed(self) -> None:
+        ranked = sorted(self._totals.items(), key=lambda kv: kv[1].ns)
+        for key, cur in ranked[: len(ranked) - self._max * 3 // 4]:
+            self.dropped_ns += cur.ns
+            del self._totals[key]
+
+    def ranked(self) -> tuple[StackRow, ...]:
+        """The totals as stack rows, most off-CPU time first."""
+        with self._lock:
+            items = [(c.ns, c.count, c.max_ns, c.row) for c in self._totals.values()]
+        rows = [dataclasses.replace(row, offcpu_ns=ns, count=count, max_ns=max_ns)
+                for ns, count, max_ns, row in items]
+        rows.sort(key=lambda r: (-r.offcpu_ns, r.tid, r.state))
+        return tuple(rows)

@@ -16,9 +16,9 @@ import platform
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Protocol, runtime_checkable
 
 from offtop.model import Snapshot
 from offtop.report import snapshot_from_json
@@ -66,6 +66,17 @@ class SnapshotSource(Protocol):
 
     def close(self) -> None:
         """Detach and free everything; safe to call twice."""
+        ...
+
+
+@runtime_checkable
+class BlockedWaits(Protocol):
+    """What a source may offer besides `SnapshotSource`: the waits of blocked
+    threads read at any moment, so the UI shows them true at every redraw."""
+
+    def blocked_waits(self, tids: Iterable[int]) -> Mapping[int, int]:
+        """How long each of `tids` has been blocked now, in ns; a thread that
+        is absent runs again (or is not known). Cheap; callable from any thread."""
         ...
 
 
@@ -151,6 +162,14 @@ class ReplaySource:
 
     def close(self) -> None:
         self.closed = True
+
+    def blocked_waits(self, tids: Iterable[int]) -> Mapping[int, int]:
+        """The waits as recorded in the snapshot last returned (see `BlockedWaits`)."""
+        if not 0 < self._index <= len(self._snapshots):
+            return {}
+        wanted = set(tids)
+        return {b.tid: b.blocked_ns for b in self._snapshots[self._index - 1].blocked_now
+                if b.tid in wanted}
 
 
 # --- recordings ------------------------------------------------------------------

@@ -1,8 +1,23 @@
-"""Unit tests of the pure model: aggregation, ranking, totals, forgetting."""
+"""Unit tests of the pure model: aggregation, ranking, totals, forgetting, and the
+views the TUI derives (row keys, the snapshot index, idle waits, merging, since start)."""
 
 from __future__ import annotations
 
-from offtop.model import Aggregator, Frame, Sample, group_processes, stack_key
+from offtop.model import (
+    Aggregator,
+    ChainCatalog,
+    Frame,
+    RowKey,
+    Sample,
+    SinceStart,
+    SnapshotIndex,
+    StackRow,
+    blocked_in,
+    group_processes,
+    is_idle_wait,
+    merge_identical,
+    stack_key,
+)
 
 K = (Frame("schedule", "kernel", True), Frame("do_nanosleep", "kernel", True))
 U = (Frame("offtop_wl_sleep", "wl"), Frame("main", "wl"))
@@ -86,3 +101,136 @@ def test_process_metadata_is_attached_to_the_top_processes_only() -> None:
     procs = Aggregator().build([s(1, 300, pid=10), s(2, 200, pid=20)], time=1.0, interval_s=1.0,
                                threshold_ns=1, process_meta=meta, meta_limit=1).processes
     assert procs[1].cmdline == ""
+
+
+# --- views of a snapshot: row keys, the index, idle waits, merging, since start ----------
+
+def kf(*names: str) -> tuple[Frame, ...]:
+    return tuple(Frame(n, "kernel", True) for n in names)
+
+
+def uf(*names: str, module: str = "/usr/bin/app") -> tuple[Frame, ...]:
+    return tuple(Frame(n, module) for n in names)
+
+
+EPOLL = kf("schedule", "schedule_hrtimeout_range_clock", "ep_poll", "do_epoll_wait")
+FUTEX = kf("schedule", "futex_wait_queue", "futex_wait", "do_futex")
+SLEEP = kf("schedule", "do_nanosleep", "hrtimer_nanosleep")
+
+
+def test_row_keys_name_threads_and_processes_apart() -> None:
+    snap = build(Aggregator(), [s(11, 100), s(12, 50)])
+    assert snap.tasks[0].key == RowKey.thread(11) != RowKey.process(11)
+    assert snap.processes[0].key == RowKey.process(10) and RowKey.process(10).is_process
+    assert str(RowKey.thread(11)) == "thread 11"
+    assert sorted([RowKey.thread(2), RowKey.process(1), RowKey.thread(1)])[0] == RowKey.process(1)
+
+
+def test_the_index_groups_stacks_and_maps_threads_to_processes() -> None:
+    snap = build(Aggregator(), [s(11, 100), s(11, 40, user=U[1:]), s(12, 50), s(30, 5, pid=30)])
+    index = SnapshotIndex(snap)
+    assert [r.offcpu_ns for r in index.stacks_of(RowKey.thread(11))] == [100, 40]
+    assert [r.tid for r in index.stacks_of(RowKey.process(10))] == [11, 12, 11]
+    assert index.stacks_of(RowKey.thread(99)) == ()
+    assert index.counterpart(RowKey.thread(12)) == RowKey.process(10)
+    # A process's main thread, else its hottest thread.
+    assert index.counterpart(RowKey.process(30)) == RowKey.thread(30)
+    assert index.counterpart(RowKey.process(10)) == RowKey.thread(11)
+    assert index.counterpart(RowKey.thread(99)) is None
+    assert index.rows[RowKey.process(10)].offcpu_ns == 190
+
+
+def test_idle_waits_follow_the_documented_rule() -> None:
+    assert is_idle_wait(EPOLL, uf("epoll_wait", "main"))
+    assert is_idle_wait(kf("schedule", "do_select", "core_sys_select"), ())
+    assert is_idle_wait(kf("schedule", "do_wait", "kernel_wait4"), uf("wait4", "main"))
+    assert is_idle_wait(kf("schedule", "worker_thread", "kthread"), ())
+    # A futex wait is idle only under a thread pool's wait-for-work frame.
+    assert is_idle_wait(FUTEX, uf("syscall", "g_thread_pool_wait_for_new_task"))
+    assert is_idle_wait(FUTEX, uf("runtime.futex", "runtime.notesleep", "runtime.stopm"))
+    assert is_idle_wait(FUTEX, uf("py:_worker (thread.py:89)"))
+    assert not is_idle_wait(FUTEX, uf("pthread_cond_wait", "Queue::pop", "main"))
+    assert not is_idle_wait(kf("schedule", "do_epoll_ctl"), uf("main"))
+    assert not is_idle_wait(SLEEP, uf("nanosleep", "main"))  # a sleep is asked for
+    assert not is_idle_wait(kf("schedule", "io_schedule", "filemap_read"), ())
+
+
+def test_blocked_in_is_the_innermost_frame_that_names_the_program() -> None:
+    libc = "/usr/lib/x86_64-linux-gnu/libc.so.6"
+    user = (Frame("__GI___clock_nanosleep", libc), Frame("sleep_for", "/bin/app"),
+            Frame("main", "/bin/app"))
+    assert blocked_in(SLEEP, user) == user[1]
+    py = (Frame("read", libc), Frame("py:Queue.get (queue.py:171)", "queue.py"),
+          Frame("py:worker (app.py:9)", "app.py"))
+    assert blocked_in(SLEEP, py) == py[1]
+    # Unresolved frames and marks are never the answer: the kernel's is.
+    lost = (Frame("[user stack lost]"), Frame("libc.so.6+0x1234", libc))
+    assert blocked_in(SLEEP, lost) == SLEEP[1]
+    assert blocked_in(kf("schedule"), ()) is None
+
+
+def test_the_catalog_knows_a_chain_by_identity_and_by_name() -> None:
+    cat = ChainCatalog()
+    user = uf("epoll_wait", "main")
+    a = cat.info(EPOLL, user)
+    assert a.idle and a.blocked_in == user[0]
+    assert cat.info(EPOLL, user) is a
+    # The same frames in new tuples (a replay) are the same chain.
+    assert cat.info(tuple(EPOLL), tuple(list(user))).chain == a.chain
+    assert cat.info(SLEEP, user).chain != a.chain
+    # Bounded: past the limit all is forgotten, numbers are never reused.
+    small = ChainCatalog(max_entries=2)
+    first = small.info(EPOLL, user).chain
+    small.info(SLEEP, user)
+    assert small.info(FUTEX, user).chain not in (first,)
+    assert small.info(kf("x"), ()).chain > first
+
+
+def stack(tid: int, ns: int, kernel: tuple[Frame, ...] = SLEEP, *, pid: int = 10,
+          comm: str = "wl", state: str = "S", count: int = 1) -> StackRow:
+    return StackRow(pid=pid, tid=tid, comm=comm, state=state, offcpu_ns=ns, count=count,
+                    max_ns=ns, kernel=kernel, user=U)
+
+
+def test_identical_stacks_merge_across_threads_and_commands() -> None:
+    rows = [stack(11, 100), stack(12, 50), stack(13, 70, pid=20), stack(21, 30, pid=30,
+                                                                          comm="other"),
+            stack(11, 10, EPOLL)]
+    facts = SnapshotIndex(build(Aggregator(), [])).facts
+    none = merge_identical(rows, "none", facts)
+    assert [m.row.offcpu_ns for m in none] == [100, 50, 70, 30, 10]
+    by_process = merge_identical(rows, "process", facts)
+    assert [(m.row.pid, m.row.offcpu_ns, m.row.count, m.threads, m.processes)
+            for m in by_process] == [(10, 150, 2, 2, 1), (20, 70, 1, 1, 1), (30, 30, 1, 1, 1),
+                                     (10, 10, 1, 1, 1)]
+    assert by_process[0].row.tid == 11 and by_process[0].row.max_ns == 100
+    by_command = merge_identical(rows, "command", facts)
+    assert [(m.row.comm, m.row.offcpu_ns, m.threads, m.processes) for m in by_command] == [
+        ("wl", 220, 3, 2), ("other", 30, 1, 1), ("wl", 10, 1, 1)]
+
+
+def test_the_index_filters_idle_waits_and_finds_frame_text() -> None:
+    snap = build(Aggregator(), [s(11, 100, kernel=EPOLL), s(11, 40), s(12, 60, pid=12)])
+    index = SnapshotIndex(snap)
+    assert index.idle_ns(RowKey.thread(11)) == 100 and index.idle_ns(RowKey.thread(12)) == 0
+    assert index.idle_ns(RowKey.process(10)) == 100
+    assert [r.offcpu_ns for r in index.view(snap.stacks, hide_idle=True)] == [60, 40]
+    assert [r.offcpu_ns for r in index.view(snap.stacks, text="EP_POLL")] == [100]
+    assert index.frames_contain(RowKey.thread(11), "ep_poll")
+    assert not index.frames_contain(RowKey.thread(12), "ep_poll")
+    assert index.frames_contain(RowKey.process(12), "NANOSLEEP")
+    assert not index.frames_contain(RowKey.process(10), "nothing like it")
+
+
+def test_since_start_sums_every_snapshot_and_stays_bounded() -> None:
+    agg, since = Aggregator(), SinceStart()
+    for ns in (100, 200, 300):
+        since.add(SnapshotIndex(build(agg, [s(11, ns), s(12, 5)])))
+    ranked = since.ranked()
+    assert [(r.tid, r.offcpu_ns, r.count) for r in ranked] == [(11, 600, 3), (12, 15, 3)]
+    assert since.snapshots == 3 and since.since == 999.0
+    small = SinceStart(max_entries=4)
+    small.add(SnapshotIndex(build(agg, [s(t, t) for t in range(1, 6)])))
+    kept = small.ranked()
+    assert [r.tid for r in kept] == [5, 4, 3]
+    assert small.dropped_ns == 1 + 2

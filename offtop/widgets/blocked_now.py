@@ -1,20 +1,27 @@
 """Tasks off the CPU right now, and for how long so far: "why is it stuck?".
 
-The engine reads the BPF program's start-timestamp records at each snapshot:
-a task with a record has switched out and not come back yet. Between
-snapshots the waits keep growing on screen (`advance`), from the app's clock.
+Each snapshot lists the tasks blocked when it was taken. Between snapshots
+the table reads the true waits from the source four times a second, when
+the source can (`BlockedWaits`; the live one reads the probe's per-thread
+records): a wait shown is never a guess, and a task that ran meanwhile is
+shown as woken, its last wait kept, until the next snapshot. A source that
+cannot shows the waits as of the snapshot.
+A block that began before offtop started has an estimated wait, marked `~`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping
 from typing import ClassVar
 
 from rich.text import Text
 from textual.binding import Binding, BindingType
+from textual.message import Message
+from textual.reactive import reactive
 
-from offtop.model import BlockedNow
+from offtop.model import BlockedNow, SnapshotIndex
 from offtop.safe_text import printable
+from offtop.source import BlockedWaits
 from offtop.units import format_ns
 from offtop.widgets.line_table import Column, LineTable
 from offtop.widgets.render import (
@@ -26,17 +33,20 @@ from offtop.widgets.render import (
     task_label,
 )
 
+#: Marks a wait that began before offtop started (its length is estimated).
+ESTIMATED = "~"
 
-class BlockedNowTable(LineTable):
+
+class BlockedNowTable(LineTable[int]):
     """Blocked tasks, longest wait first: wait and a log bar, state, task, where.
 
     Each row is two lines: the task, then the innermost frames it waits in.
-    `Enter` (or a second click) selects the task in the task table.
+    `Enter` (or a second click) posts `Chosen`: the app opens that block's stack.
     """
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("enter", "select_cursor", "Go to task",
-                tooltip="Select this task in the task table", id="blocked.goto"),
+        Binding("enter", "select_cursor", "Open stack",
+                tooltip="Open the callchain this task is blocked in", id="blocked.open"),
     ]
 
     ROW_HEIGHT: ClassVar[int] = 2
@@ -46,69 +56,146 @@ class BlockedNowTable(LineTable):
     #: Rows shown at most.
     MAX_ROWS: ClassVar[int] = 100
 
-    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+    index: reactive[SnapshotIndex] = reactive(SnapshotIndex.empty, init=False)
+    """The snapshot whose blocked tasks are shown."""
+    show_kernel: reactive[bool] = reactive(True, init=False)
+    """Kernel frames are shown."""
+    show_user: reactive[bool] = reactive(True, init=False)
+    """User frames are shown."""
+    hide_idle: reactive[bool] = reactive(False, init=False)
+    """Tasks in idle waits (`model.is_idle_wait`) are left out."""
+    paused: reactive[bool] = reactive(False, init=False)
+    """The display is frozen: waits are not read."""
+
+    #: How often waits are read from the source (seconds).
+    READ_EVERY_S: ClassVar[float] = 0.25
+
+    class Chosen(Message):
+        """Enter on a blocked task."""
+
+        def __init__(self, table: BlockedNowTable, blocked: BlockedNow) -> None:
+            super().__init__()
+            self.table = table
+            self.blocked = blocked
+
+    def __init__(self, waits: BlockedWaits | None = None, *, id: str | None = None,
+                 classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
-        self.show_kernel = True
-        self.show_user = True
-        self._blocked: Sequence[BlockedNow] = ()
-        self._by_key: dict[str, BlockedNow] = {}
-        self._elapsed_ns = 0
+        #: Where waits are read between snapshots (None: only the snapshots' waits).
+        self.waits = waits
+        self._blocked: dict[int, BlockedNow] = {}
+        self._waits: dict[int, int] = {}
+        self._woke: set[int] = set()
 
     def on_mount(self) -> None:
         self.set_columns([Column("wait", "WAIT", 7), Column("s", "S", 1),
                           Column("where", "TASK / WHERE", 16, flex=True)])
         self._sync()
+        if self.waits is not None:
+            self.set_interval(self.READ_EVERY_S, self.read_waits)
 
-    def show(
-        self, blocked: Sequence[BlockedNow], *, show_kernel: bool = True, show_user: bool = True
-    ) -> None:
-        """Display a snapshot's blocked tasks; their waits restart from the snapshot."""
-        self._blocked = blocked[: self.MAX_ROWS]
-        self._elapsed_ns = 0
-        self.show_kernel, self.show_user = show_kernel, show_user
+    def read_waits(self) -> None:
+        """Read the shown threads' waits from the source, now."""
+        if self.waits is not None and self._blocked and not self.paused:
+            self.refresh_waits(self.waits.blocked_waits(self.tids))
+
+    def watch_index(self, index: SnapshotIndex) -> None:
+        facts = index.catalog.info
+        blocked: dict[int, BlockedNow] = {}
+        for b in index.snapshot.blocked_now:
+            if len(blocked) >= self.MAX_ROWS:
+                break
+            if b.tid not in blocked and not (self.hide_idle and facts(b.kernel, b.user).idle):
+                blocked[b.tid] = b
+        self._blocked = blocked
+        self._waits = {tid: b.blocked_ns for tid, b in blocked.items()}
+        self._woke = set()
         self._sync()
 
-    def advance(self, elapsed_ns: int) -> None:
-        """Let the waits grow by the time elapsed since the snapshot."""
-        if elapsed_ns != self._elapsed_ns:
-            self._elapsed_ns = max(0, elapsed_ns)
-            self._sync()
+    def watch_hide_idle(self) -> None:
+        self.watch_index(self.index)
+
+    def watch_show_kernel(self) -> None:
+        self._sync()
+
+    def watch_show_user(self) -> None:
+        self._sync()
+
+    @property
+    def tids(self) -> list[int]:
+        """The threads shown, blocked or woken since."""
+        return list(self._blocked)
+
+    def refresh_waits(self, waits: Mapping[int, int]) -> None:
+        """The waits read just now (`BlockedWaits.blocked_waits` of `tids`):
+        a thread missing from `waits` ran meanwhile and is shown as woken."""
+        for tid in self._blocked:
+            if tid in self._woke:
+                continue
+            wait = waits.get(tid)
+            if wait is None:
+                self._woke.add(tid)
+            else:
+                self._waits[tid] = wait
+        self._sync()
 
     def _sync(self) -> None:
-        rows = []
-        self._by_key = {}
         view = (self.show_kernel, self.show_user)
-        for b in self._blocked:
-            key = f"t{b.tid}"
-            if key in self._by_key:
-                continue
-            self._by_key[key] = b
-            wait = b.blocked_ns + self._elapsed_ns
-            rows.append((key, ((format_ns(wait), round(log_fraction(wait) * 48),
-                                severity_style(wait)),
-                               b.state, (b.comm, b.pid, b.tid, b.kernel, b.user, view))))
+        rows = []
+        for tid, b in self._blocked.items():
+            wait = self._waits[tid]
+            woke = tid in self._woke
+            rows.append((tid, ((format_ns(wait), round(log_fraction(wait) * 48),
+                                severity_style(wait), b.before_start, woke),
+                               b.state, (b.comm, b.pid, b.tid, b.kernel, b.user, view, woke))))
         self.sync_rows(rows)
+        self._update_titles()
+
+    def _update_titles(self) -> None:
+        title = f"Blocked now ({len(self._blocked)})"
+        if self._woke:
+            title += f" · {len(self._woke)} woke since"
+        self.border_title = title
+        if any(b.before_start for b in self._blocked.values()):
+            self.border_subtitle = f"{ESTIMATED} blocked before offtop started (estimated)"
+        else:
+            self.border_subtitle = ""
 
     def blocked_at_cursor(self) -> BlockedNow | None:
         """The blocked task under the cursor."""
         key = self.cursor_key
-        return self._by_key.get(key) if key is not None else None
+        return self._blocked.get(key) if key is not None else None
+
+    def on_line_table_row_selected(self, event: LineTable.RowSelected) -> None:
+        """Enter: ask the app to open this block's stack."""
+        event.stop()
+        blocked = self._blocked.get(event.key) if isinstance(event.key, int) else None
+        if blocked is not None:
+            self.post_message(self.Chosen(self, blocked))
 
     def render_cell(self, column: str, value: Hashable) -> Text:
         """Two lines a cell: wait over its bar; the task over where it waits."""
         if column == "wait":
             assert isinstance(value, tuple)
-            text, eighths, style = value
-            t = Text(f"{text:>7}\n", style=style, end="")
+            text, eighths, style, estimated, woke = value
+            if woke:
+                t = Text(f"{text:>7}\n", style="dim", end="")
+                t.append("  woke", style="dim italic")
+                return t
+            mark = ESTIMATED if estimated else ""
+            t = Text(f"{mark + text:>7}\n", style=style, end="")
             t.append(" " + bar(eighths / 48, 6), style=style or "#5fafd7")
             return t
         if column == "s":
             return state_text(str(value))
         assert isinstance(value, tuple)
-        comm, pid, tid, kernel, user, (show_kernel, show_user) = value
+        comm, pid, tid, kernel, user, (show_kernel, show_user), woke = value
         t = task_label(printable(comm), pid, tid)
         t.append("\n")
         t.append_text(chain_summary(kernel, user, show_kernel=show_kernel, show_user=show_user,
                                     max_kernel=1, max_user=3))
+        if woke:
+            t.stylize("dim")
         t.no_wrap, t.overflow = True, "ellipsis"
         return t
+

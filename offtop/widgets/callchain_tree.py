@@ -9,7 +9,7 @@ user expanded stays expanded and the cursor stays on the same frame.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -71,20 +71,20 @@ def stack_path(stack: StackRow, *, show_kernel: bool = True, show_user: bool = T
 
 
 class CallchainTree(Tree[CallNode]):
-    """A callchain tree of one task's stacks (see module docstring).
+    """A callchain tree of one scope's stacks (see module docstring).
 
-    `k` and `u` hide or show kernel and user frames; `Enter` or space expands
-    and collapses; expanding a node with a single child expands down the chain.
+    `Enter` or space expands and collapses; expanding a node with a single
+    child expands down the chain; `e` expands the hottest path, `x` collapses
+    everything.
     """
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("k", "app.toggle_kernel", "Kernel frames", tooltip="Show / hide kernel frames",
-                id="tree.kernel"),
-        Binding("u", "app.toggle_user", "User frames", tooltip="Show / hide user frames",
-                id="tree.user"),
+        Binding("k", "cursor_up", "Up", show=False, id="tree.up"),
+        Binding("j", "cursor_down", "Down", show=False, id="tree.down"),
         Binding("e", "expand_hot", "Expand hottest", tooltip="Expand the hottest path",
                 id="tree.hot"),
-        Binding("c", "collapse_all", "Collapse all", show=False, id="tree.collapse"),
+        Binding("x", "collapse_all", "Collapse all", show=False,
+                tooltip="Collapse every node", id="tree.collapse"),
     ]
 
     #: Expansion states remembered for this many tasks.
@@ -93,17 +93,17 @@ class CallchainTree(Tree[CallNode]):
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(Text("no task selected", style="dim"), id=id, classes=classes)
         self.guide_depth = 2
-        self.owner: str | None = None
+        self.owner: Hashable | None = None
         self._view: tuple[bool, bool] = (True, True)
         self._paths: dict[Path, TreeNode[CallNode]] = {}
-        self._memory: dict[tuple[str, bool, bool], set[Path]] = {}
+        self._memory: dict[tuple[Hashable, bool, bool], set[Path]] = {}
         self._last_total: int | None = None
 
     # --- public ---------------------------------------------------------
 
     def show(
         self,
-        owner: str,
+        owner: Hashable,
         title: Text,
         stacks: Sequence[StackRow],
         *,
@@ -111,7 +111,7 @@ class CallchainTree(Tree[CallNode]):
         show_user: bool = True,
         focus: Path | None = None,
     ) -> None:
-        """Show `stacks` (of the task `owner`), diffing against what is shown.
+        """Show `stacks` (of `owner`, e.g. a task's `RowKey`), diffing against what is shown.
 
         A different owner or frame filter rebuilds the tree, restoring the
         expansion remembered for it (or expanding the hottest path). `focus`

@@ -17,6 +17,38 @@ from textual.widgets import Static
 HelpSection = tuple[str, str, Sequence[BindingType]]
 
 
+def help_sections(app_bindings: Sequence[BindingType]) -> list[HelpSection]:
+    """The help screen's sections: the app's keys, then each pane's own."""
+    # Imported here: the panes import nothing of the help, and the help
+    # needs every pane's bindings.
+    from offtop.widgets.blocked_now import BlockedNowTable
+    from offtop.widgets.callchain_tree import CallchainTree
+    from offtop.widgets.flame_graph import FlameGraph
+    from offtop.widgets.line_table import LineTable
+    from offtop.widgets.long_blocks_log import LongBlocksLog
+    from offtop.widgets.stack_table import StackTable
+    from offtop.widgets.task_table import TaskTable
+    from offtop.widgets.threshold_slider import ThresholdSlider
+
+    return [
+        ("Everywhere", "htop's F-keys work too; + and - always move the threshold",
+         app_bindings),
+        ("Tables", "arrows, PgUp/PgDn, Home/End; click a header to sort by it",
+         [*LineTable.BINDINGS, *TaskTable.BINDINGS, *StackTable.BINDINGS,
+          *BlockedNowTable.BINDINGS]),
+        ("Callchain tree", "Enter/space expand or collapse; Esc goes back",
+         CallchainTree.BINDINGS),
+        # The graph's own +/- zoom keys are left out: in offtop they move the
+        # threshold everywhere (one meaning per key).
+        ("Flame graph", "←↑↓→ move; the filter (/) highlights frames",
+         [b for b in FlameGraph.BINDINGS
+          if not (isinstance(b, Binding) and b.key in ("plus", "minus"))]),
+        ("Threshold", "type a duration (30s, 250ms) in its box, or click/drag the bar",
+         ThresholdSlider.BINDINGS),
+        ("Long blocks", "End follows the newest again", LongBlocksLog.BINDINGS),
+    ]
+
+
 def merged_bindings(bindings: Iterable[BindingType]) -> list[tuple[list[Binding], str]]:
     """Bindings with an id, grouped by action: `[(bindings, description)]`.
 
@@ -75,11 +107,13 @@ class HelpScreen(ModalScreen[None]):
         self.lines: list[tuple[str, str]] = []
 
     def key_display(self, binding: Binding) -> str:
-        """How a key reads: `space`, `ctrl+c`, `/`, `?`."""
+        """How a key reads: `space`, `ctrl+c`, `/`, `?`, `F1`."""
         if binding.key_display:
             return binding.key_display
         if binding.key in ("enter", "escape"):
             return "enter" if binding.key == "enter" else "esc"
+        if binding.key.startswith("f") and binding.key[1:].isdigit():
+            return binding.key.upper()
         return self.app.get_key_display(binding)
 
     def _section(self, title: str, note: str, bindings: Sequence[BindingType]) -> ComposeResult:
@@ -112,5 +146,7 @@ class HelpScreen(ModalScreen[None]):
             yield Static(Text(
                 "Off-CPU time: how long threads were switched out (sleeping, waiting on locks, "
                 "pipes, I/O) in the last interval. S = interruptible sleep, D = uninterruptible "
-                "(often I/O). Kernel frames are orange (k), user frames blue (u).",
+                "(often I/O). Kernel frames are orange (k), user frames blue (u), Python "
+                "functions green (py). A ~ before a time: the block began before offtop "
+                "started (estimated).",
                 style="dim"))

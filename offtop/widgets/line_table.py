@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from rich.cells import cell_len
 from rich.console import Console
@@ -44,8 +44,11 @@ from textual.strip import Strip
 
 from offtop.safe_text import printable
 
+#: What names a row: any hashable value (a `RowKey`, a tid, a digest).
+KeyT = TypeVar("KeyT", bound=Hashable)
+
 #: One row handed to `LineTable.sync_rows`: its key and its raw cell values.
-KeyedRow = tuple[str, tuple[Hashable, ...]]
+KeyedRow = tuple[KeyT, tuple[Hashable, ...]]
 
 #: The lines of one rendered cell, each exactly as wide as its column.
 CellLines = tuple[tuple[Segment, ...], ...]
@@ -104,7 +107,7 @@ class _Pass:
     scroll_y: int
 
 
-class KeyedRows:
+class KeyedRows(Generic[KeyT]):
     """Rows by key, in order, each with a version bumped when its values change.
 
     The data of a `LineTable`, apart from the widget: a sync compares each
@@ -113,24 +116,24 @@ class KeyedRows:
 
     def __init__(self) -> None:
         #: The keys, top to bottom.
-        self.keys: list[str] = []
-        self._index: dict[str, int] = {}
-        self._raw: dict[str, tuple[Hashable, ...]] = {}
-        self._versions: dict[str, int] = {}
+        self.keys: list[KeyT] = []
+        self._index: dict[KeyT, int] = {}
+        self._raw: dict[KeyT, tuple[Hashable, ...]] = {}
+        self._versions: dict[KeyT, int] = {}
         self._next_version = itertools.count(1).__next__
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def sync(self, rows: Sequence[KeyedRow]) -> tuple[bool, list[str]]:
+    def sync(self, rows: Sequence[KeyedRow[KeyT]]) -> tuple[bool, list[KeyT]]:
         """Hold `rows` from now on: (whether the order of keys changed, the
         keys whose values changed or that are new). Keys must be unique."""
         raw = dict(rows)
         if len(raw) != len(rows):
             raise ValueError("duplicate row keys")
         old_raw, old_versions = self._raw, self._versions
-        versions: dict[str, int] = {}
-        changed: list[str] = []
+        versions: dict[KeyT, int] = {}
+        changed: list[KeyT] = []
         for key, values in rows:
             old = old_raw.get(key)
             if old is None or old != values:
@@ -150,15 +153,15 @@ class KeyedRows:
         """No rows."""
         self.sync(())
 
-    def index(self, key: str) -> int | None:
+    def index(self, key: KeyT) -> int | None:
         """The position of `key`, if it is a row."""
         return self._index.get(key)
 
-    def values(self, key: str) -> tuple[Hashable, ...]:
+    def values(self, key: KeyT) -> tuple[Hashable, ...]:
         """The raw values of row `key` (KeyError if none)."""
         return self._raw[key]
 
-    def version(self, key: str) -> int:
+    def version(self, key: KeyT) -> int:
         """The version of row `key`: changes exactly when its values do."""
         return self._versions[key]
 
@@ -226,7 +229,7 @@ def _printable(line: Text, segments: Iterable[Segment]) -> Text:
     return out
 
 
-class LineTable(ScrollView, can_focus=True):
+class LineTable(ScrollView, Generic[KeyT], can_focus=True):
     """A row-cursor table refreshed by keyed diff and drawn line by line."""
 
     DEFAULT_CSS = """
@@ -269,6 +272,8 @@ class LineTable(ScrollView, can_focus=True):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("up", "cursor_up", "Up", show=False),
         Binding("down", "cursor_down", "Down", show=False),
+        Binding("k", "cursor_up", "Up", show=False, id="table.up"),
+        Binding("j", "cursor_down", "Down", show=False, id="table.down"),
         Binding("pageup", "page_up", "Page up", show=False),
         Binding("pagedown", "page_down", "Page down", show=False),
         Binding("home", "first_row", "First row", show=False, id="table.first"),
@@ -289,14 +294,14 @@ class LineTable(ScrollView, can_focus=True):
     class RowHighlighted(Message):
         """The row under the cursor is another row (by key) than before."""
 
-        def __init__(self, table: LineTable, key: str, index: int) -> None:
+        def __init__(self, table: LineTable[Any], key: Hashable, index: int) -> None:
             super().__init__()
             self.table = table
             self.key = key
             self.index = index
 
         @property
-        def control(self) -> LineTable:
+        def control(self) -> LineTable[Any]:
             """The table (for `@on(..., selector)`)."""
             return self.table
 
@@ -307,27 +312,27 @@ class LineTable(ScrollView, can_focus=True):
     class RowSelected(Message):
         """Enter, or a click on the row already under the cursor."""
 
-        def __init__(self, table: LineTable, key: str, index: int) -> None:
+        def __init__(self, table: LineTable[Any], key: Hashable, index: int) -> None:
             super().__init__()
             self.table = table
             self.key = key
             self.index = index
 
         @property
-        def control(self) -> LineTable:
+        def control(self) -> LineTable[Any]:
             """The table (for `@on(..., selector)`)."""
             return self.table
 
     class HeaderClicked(Message):
         """A column header was clicked (tables sort on it)."""
 
-        def __init__(self, table: LineTable, column: str) -> None:
+        def __init__(self, table: LineTable[Any], column: str) -> None:
             super().__init__()
             self.table = table
             self.column = column
 
         @property
-        def control(self) -> LineTable:
+        def control(self) -> LineTable[Any]:
             """The table (for `@on(..., selector)`)."""
             return self.table
 
@@ -342,7 +347,7 @@ class LineTable(ScrollView, can_focus=True):
         #: refresh really cost, for tests and benchmarks.
         self.lines_rendered = 0
         self._table_columns: tuple[Column, ...] = ()
-        self._rows = KeyedRows()
+        self._rows: KeyedRows[KeyT] = KeyedRows()
         # Bumped when what `render_cell` draws changes without the values
         # changing (new columns, `refresh_cells`): part of every cache key.
         self._generation = 0
@@ -350,7 +355,7 @@ class LineTable(ScrollView, can_focus=True):
         self._hover: int | None = None
         # The key last announced by `RowHighlighted`: what "the row under the
         # cursor" was, even while the rows are being replaced.
-        self._highlighted: str | None = None
+        self._highlighted: KeyT | None = None
         self._layouts: dict[int, ColumnLayout] = {}
         self._cells: LRUCache[tuple[object, ...], CellLines] = LRUCache(4096)
         self._lines: LRUCache[tuple[object, ...], Strip] = LRUCache(1024)
@@ -399,7 +404,7 @@ class LineTable(ScrollView, can_focus=True):
         self._generation += 1
         self.refresh()
 
-    def get_cell(self, key: str, column: str) -> Text:
+    def get_cell(self, key: KeyT, column: str) -> Text:
         """What the cell of row `key` in `column` shows (KeyError if none)."""
         values = self._rows.values(key)
         return self.render_cell(column, values[self.column_keys.index(column)])
@@ -407,7 +412,7 @@ class LineTable(ScrollView, can_focus=True):
     # --- rows -------------------------------------------------------------
 
     @property
-    def row_keys_in_order(self) -> list[str]:
+    def row_keys_in_order(self) -> list[KeyT]:
         """The keys of the rows, top to bottom."""
         return list(self._rows.keys)
 
@@ -416,7 +421,7 @@ class LineTable(ScrollView, can_focus=True):
         """The number of rows."""
         return len(self._rows)
 
-    def sync_rows(self, rows: Sequence[KeyedRow]) -> None:
+    def sync_rows(self, rows: Sequence[KeyedRow[KeyT]]) -> None:
         """Make the table show `rows`, in this order; redraw only what changed.
 
         Keys must be unique (ValueError otherwise).
@@ -452,7 +457,7 @@ class LineTable(ScrollView, can_focus=True):
         return self._cursor
 
     @property
-    def cursor_key(self) -> str | None:
+    def cursor_key(self) -> KeyT | None:
         """The key of the row under the cursor, if any."""
         keys = self._rows.keys
         return keys[self._cursor] if keys else None
@@ -468,7 +473,7 @@ class LineTable(ScrollView, can_focus=True):
             self._scroll_to_cursor()
         self._announce()
 
-    def move_to_key(self, key: str, *, scroll: bool = True) -> bool:
+    def move_to_key(self, key: KeyT, *, scroll: bool = True) -> bool:
         """Put the cursor on the row with `key`; False if there is no such row."""
         index = self._rows.index(key)
         if index is None:

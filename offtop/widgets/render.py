@@ -17,22 +17,18 @@ from collections.abc import Sequence
 from rich.console import OverflowMethod
 from rich.text import Text
 
-from offtop.model import Frame
+from offtop.model import SCHEDULER_FRAMES, Frame
 from offtop.safe_text import printable
-from offtop.units import format_ns
 
-#: Kernel frames are warm, user frames cool: told apart at a glance.
+#: Kernel frames are warm, user frames cool, Python frames green: told apart
+#: at a glance (and by their tags, `k`, `u`, `py`, without colour).
 KERNEL_STYLE = "#f0a35e"
 USER_STYLE = "#74b9e8"
+PYTHON_STYLE = "#9ccc65"
 UNKNOWN_STYLE = "dim italic"
+#: Marks such as "[stack truncated]": what is known about where a stack ends.
+MARK_STYLE = "italic #c090e0"
 ARROW = " ← "
-
-#: The scheduler's own frames sit at the top of every off-CPU kernel stack;
-#: they say nothing about why the task blocked, so summaries skip them.
-SCHEDULER_FRAMES = frozenset(
-    {"__schedule", "schedule", "finish_task_switch", "finish_task_switch.isra.0",
-     "__traceiter_sched_switch", "preempt_schedule_common"}
-)
 
 #: Colours for the task states of `offtop.model.STATE_NAMES`.
 STATE_STYLES = {
@@ -51,20 +47,35 @@ def untrusted_text(text: str, style: str = "", *, no_wrap: bool = True,
     return Text(printable(text), style=style, no_wrap=no_wrap, overflow=overflow, end="")
 
 
+def frame_kind(frame: Frame) -> str:
+    """`k` (kernel), `py` (a Python function) or `u` (user): a frame's tag."""
+    if frame.kernel:
+        return "k"
+    return "py" if frame.name.startswith("py:") else "u"
+
+
+_KIND_STYLES = {"k": KERNEL_STYLE, "u": USER_STYLE, "py": PYTHON_STYLE}
+
+
 def frame_style(frame: Frame) -> str:
-    """The style of one frame: kernel, user or unresolved."""
+    """The style of one frame: a mark, unresolved, kernel, user or Python."""
+    if frame.name.startswith("["):
+        return MARK_STYLE
     if frame.unknown:
         return UNKNOWN_STYLE
-    return KERNEL_STYLE if frame.kernel else USER_STYLE
+    return _KIND_STYLES[frame_kind(frame)]
 
 
 def frame_text(frame: Frame, *, tag: bool = True, module: bool = False) -> Text:
-    """One frame, with a `k`/`u` tag so it reads without colour too."""
+    """One frame, with a `k`/`u`/`py` tag so it reads without colour too."""
     t = Text(no_wrap=True, end="")
+    name = frame.name or "?"
     if tag:
-        t.append("k " if frame.kernel else "u ", style="dim " + (
-            KERNEL_STYLE if frame.kernel else USER_STYLE))
-    t.append(printable(frame.name or "?"), style=frame_style(frame))
+        kind = frame_kind(frame)
+        t.append(f"{kind} ", style="dim " + _KIND_STYLES[kind])
+        if kind == "py":
+            name = name[3:]  # the tag says it: "py Queue.get (queue.py:171)"
+    t.append(printable(name), style=frame_style(frame))
     if module and frame.module and not frame.kernel:
         t.append(f"  {printable(frame.module)}", style="dim")
     return t
@@ -97,18 +108,27 @@ def chain_summary(
     show_user: bool = True,
     max_kernel: int = 2,
     max_user: int = 3,
+    tags: bool = True,
 ) -> Text:
-    """`do_nanosleep ← hrtimer_nanosleep ← clock_nanosleep ← worker_loop`, coloured."""
+    """`k do_nanosleep ← hrtimer_nanosleep ← u clock_nanosleep ← worker_loop`, coloured,
+    tagged where the kind of frame changes (`tags`)."""
     frames = innermost_frames(kernel, user, show_kernel=show_kernel, show_user=show_user,
                               max_kernel=max_kernel, max_user=max_user)
     t = Text(no_wrap=True, overflow="ellipsis", end="")
     if not frames:
         t.append("(no frames)" if (kernel or user) else "(no stack)", style="dim")
         return t
+    kind = ""
     for i, f in enumerate(frames):
         if i:
             t.append(ARROW, style="dim")
-        t.append(printable(f.name or "?"), style=frame_style(f))
+        if tags and frame_kind(f) != kind:
+            # A tag where the kind changes: "k pipe_read ← u read ← py Queue.get".
+            t.append_text(frame_text(f))
+            kind = frame_kind(f)
+        else:
+            name = f.name[3:] if tags and kind == "py" else f.name
+            t.append(printable(name or "?"), style=frame_style(f))
     return t
 
 
@@ -127,12 +147,6 @@ def outer_to_inner(
 def state_text(state: str) -> Text:
     """A one-letter state, coloured."""
     return Text(state, style=STATE_STYLES.get(state, ""), end="")
-
-
-def duration_text(ns: float, *, width: int = 0, dim_zero: bool = True) -> Text:
-    """A right-aligned duration (`format_ns`), dim when zero."""
-    s = format_ns(ns)
-    return Text(s.rjust(width), style="dim" if dim_zero and ns <= 0 else "", end="")
 
 
 def number_text(n: int, *, width: int = 0) -> Text:

@@ -1,8 +1,10 @@
-"""The long-block threshold, as a logarithmic slider from 0 to 10 s.
+"""The long-block threshold, as a logarithmic slider from 0 to one hour.
 
 Blocks at or above the threshold are sent one by one through the perf buffer
 (and land in the long-blocks log); shorter ones are only aggregated. The
-slider never touches the source itself: it posts `Changed`, and the app
+range is the one the command line accepts (`offtop.units.MAX_THRESHOLD_NS`),
+so no key ever moves a threshold given on the command line the wrong way.
+The slider never touches the source itself: it posts `Changed`, and the app
 writes the value to the source at once.
 """
 
@@ -18,23 +20,28 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from offtop.units import format_ns
+from offtop.units import MAX_THRESHOLD_NS
 
 #: The lowest non-zero and the highest position of the scale.
 LOW_NS = 10_000
-HIGH_NS = 10_000_000_000
+HIGH_NS = MAX_THRESHOLD_NS
 _DECADES = math.log10(HIGH_NS / LOW_NS)
 
-#: Key steps: 0, then 1-2-5 from 10 µs to 10 s.
-STEPS: tuple[int, ...] = (0, *(m * 10**e for e in range(4, 10) for m in (1, 2, 5)), HIGH_NS)
+_S = 1_000_000_000
+#: Key steps: 0, then 1-2-5 from 10 µs to 10 s, then minutes up to the maximum.
+STEPS: tuple[int, ...] = (
+    0, *(m * 10**e for e in range(4, 10) for m in (1, 2, 5)),
+    10 * _S, 30 * _S, 60 * _S, 2 * 60 * _S, 5 * 60 * _S, 10 * 60 * _S, 30 * 60 * _S, HIGH_NS,
+)
 
 _TICKS = ((10_000, "10µ"), (100_000, "100µ"), (1_000_000, "1ms"), (10_000_000, "10ms"),
-          (100_000_000, "100ms"), (1_000_000_000, "1s"), (HIGH_NS, "10s"))
+          (100_000_000, "100ms"), (_S, "1s"), (10 * _S, "10s"), (60 * _S, "1m"),
+          (HIGH_NS, "1h"))
 
 
 def step_up(ns: int) -> int:
-    """The next key step above `ns`."""
-    return next((s for s in STEPS if s > ns), HIGH_NS)
+    """The next key step above `ns` (never below it)."""
+    return next((s for s in STEPS if s > ns), max(ns, HIGH_NS))
 
 
 def step_down(ns: int) -> int:
@@ -71,8 +78,7 @@ class ThresholdSlider(Widget, can_focus=True):
 
     DEFAULT_CSS = """
     ThresholdSlider {
-        height: 3;
-        padding: 0 1;
+        height: 2;
     }
     """
 
@@ -80,7 +86,7 @@ class ThresholdSlider(Widget, can_focus=True):
         Binding("right", "increase", "Threshold up", show=False, id="slider.up"),
         Binding("left", "decrease", "Threshold down", show=False, id="slider.down"),
         Binding("home", "set(0)", "Threshold 0", show=False, id="slider.zero"),
-        Binding("end", "set(10000000000)", "Threshold 10 s", show=False, id="slider.max"),
+        Binding("end", f"set({HIGH_NS})", "Threshold 1 h", show=False, id="slider.max"),
     ]
 
     value_ns: reactive[int] = reactive(0)
@@ -116,7 +122,7 @@ class ThresholdSlider(Widget, can_focus=True):
             self.post_message(self.Changed(self, ns))
 
     def action_increase(self) -> None:
-        """One step up (1-2-5 steps from 10 µs to 10 s)."""
+        """One step up (see `STEPS`)."""
         self.move_to(step_up(self.value_ns))
 
     def action_decrease(self) -> None:
@@ -156,13 +162,9 @@ class ThresholdSlider(Widget, can_focus=True):
     # --- drawing --------------------------------------------------------
 
     def render(self) -> Text:
+        """The bar with its knob, and the scale's ticks under it."""
         width = self._bar_width
         knob = cell_of(self.value_ns, width)
-        value = "0 (every block)" if self.value_ns == 0 else format_ns(self.value_ns)
-        top = Text(no_wrap=True, end="")
-        top.append("≥ ", style="dim")
-        top.append(value, style="bold")
-        top.append("  ←/→ +/- or click", style="dim")
         bar = Text(no_wrap=True, end="")
         bar.append("━" * knob, style="#5fafd7")
         bar.append("●", style="bold reverse #5fafd7" if self.has_focus else "bold #ffffff")
@@ -175,8 +177,7 @@ class ThresholdSlider(Widget, can_focus=True):
             if all(ch == " " for ch in ticks[max(0, start - 1): start + len(label) + 1]):
                 ticks[start: start + len(label)] = list(label)
         tick_text = Text("".join(ticks), style="dim", no_wrap=True, end="")
-        out = Text("\n", end="").join([top, bar, tick_text])
-        return out
+        return Text("\n", end="").join([bar, tick_text])
 
     def on_focus(self) -> None:
         self.refresh()

@@ -1,0 +1,531 @@
+"""The stacks pane: whose callchains, and how they are shown.
+
+Its scope is the task (or process) under the task table's cursor, all tasks
+(`all_tasks`), every process of one command, or one block opened on its own
+(a task blocked now, a long block). Its view is a ranked table of stacks, a
+callchain tree, or a flame graph of the same scope. On top of the snapshot
+it can merge identical stacks (across a process's threads, or across
+processes with one command), hide idle waits, and sum stacks since offtop
+started instead of showing the last interval.
+
+The pane keeps what it needs to stay put while the data moves: the last
+stacks of an idle task (shown as "last seen"), the callchain tree's owner,
+and the flame graph's tree, which is built in a worker thread and only
+while the flame graph is on screen. It sets its own title and subtitle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.message import Message
+from textual.reactive import reactive
+from textual.widgets import ContentSwitcher
+
+from offtop.model import (
+    BlockedNow,
+    LongBlock,
+    MergeBy,
+    MergedStack,
+    ProcessRow,
+    RowKey,
+    SinceStart,
+    SnapshotIndex,
+    StackRow,
+    TaskRow,
+    merge_identical,
+)
+from offtop.units import format_ns
+from offtop.widgets.callchain_tree import CallchainTree, Path, stack_path
+from offtop.widgets.flame_graph import FlameGraph, FlameTree, GroupBy
+from offtop.widgets.render import clock_time, task_label, untrusted_text
+from offtop.widgets.stack_table import StackKey, StackTable
+
+View = Literal["stacks", "tree", "flame"]
+"""What the pane draws: the stacks table, the callchain tree or the flame graph."""
+
+#: `m` cycles through these.
+MERGE_CYCLE: tuple[MergeBy, ...] = ("none", "process", "command")
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Whose stacks the pane shows."""
+
+    kind: Literal["none", "all", "task", "command", "block"]
+    """Nothing (no task selected), all tasks, a thread or process (`key`),
+    every process named `comm`, or one block on its own (`block`)."""
+    key: RowKey | None = None
+    comm: str = ""
+    block: StackRow | None = None
+    label: str = ""
+    """What `block` is ("blocked now", "long block")."""
+
+    @classmethod
+    def task(cls, key: RowKey | None) -> Scope:
+        """A thread or a process (nothing if `key` is None)."""
+        return cls("task", key=key) if key is not None else NOTHING
+
+    @classmethod
+    def command(cls, comm: str) -> Scope:
+        """Every process named `comm`."""
+        return cls("command", comm=comm)
+
+    @classmethod
+    def of_block(cls, block: BlockedNow | LongBlock) -> Scope:
+        """A block on its own: a task blocked now, or a long block."""
+        ns = block.blocked_ns if isinstance(block, BlockedNow) else block.duration_ns
+        row = StackRow(pid=block.pid, tid=block.tid, comm=block.comm, state=block.state,
+                       offcpu_ns=ns, count=1, max_ns=ns, kernel=block.kernel, user=block.user,
+                       before_start=block.before_start)
+        label = ("blocked now (so far)" if isinstance(block, BlockedNow)
+                 else f"long block at {clock_time(block.time, millis=True)}")
+        return cls("block", block=row, label=label)
+
+
+ALL = Scope("all")
+NOTHING = Scope("none")
+
+
+@dataclass(frozen=True, slots=True)
+class ViewData:
+    """The stacks of what the pane shows now, for an export."""
+
+    stacks: tuple[StackRow, ...]
+    title: str
+    start: float
+    end: float
+    show_kernel: bool
+    show_user: bool
+
+
+class StacksPane(ContentSwitcher):
+    """Stacks, callchain tree or flame graph of a scope (see module docstring)."""
+
+    index: reactive[SnapshotIndex] = reactive(SnapshotIndex.empty, init=False)
+    """The snapshot shown (the app binds it)."""
+    show_kernel: reactive[bool] = reactive(True, init=False)
+    """Kernel frames are shown (bound)."""
+    show_user: reactive[bool] = reactive(True, init=False)
+    """User frames are shown (bound)."""
+    hide_idle: reactive[bool] = reactive(False, init=False)
+    """Idle waits are left out (bound)."""
+    filter_text: reactive[str] = reactive("", init=False)
+    """All tasks' stacks: only those of matching tasks or frames; the flame
+    graph highlights matching frames (bound)."""
+    all_tasks: reactive[bool] = reactive(False, init=False)
+    """The stacks of every task, not the selected one's."""
+    view: reactive[View] = reactive("stacks", init=False)
+    """The table, the tree or the flame graph."""
+    merge: reactive[MergeBy] = reactive("none", init=False)
+    """How identical stacks are merged in the table."""
+    cumulative: reactive[bool] = reactive(False, init=False)
+    """Stacks summed since offtop started, not the last interval's."""
+
+    #: Idle tasks whose last stacks are kept (shown as "last seen").
+    REMEMBERED: ClassVar[int] = 16
+
+    class SinceStartReady(Message):
+        """The since-start ranking, worked out in a thread."""
+
+        def __init__(self, rows: tuple[StackRow, ...], seq: int) -> None:
+            super().__init__()
+            self.rows = rows
+            self.seq = seq
+
+    class ViewChanged(Message):
+        """The pane shows another view (the app adapts the layout)."""
+
+        def __init__(self, view: View) -> None:
+            super().__init__()
+            self.view = view
+
+    class FlameReady(Message):
+        """A flame graph's tree, built in a thread."""
+
+        def __init__(self, tree: FlameTree, inputs: tuple[Hashable, ...]) -> None:
+            super().__init__()
+            self.tree = tree
+            self.inputs = inputs
+
+    def __init__(self, since_start: SinceStart, *, id: str | None = None,
+                 classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes, initial="stacks")
+        self.since_start = since_start
+        #: The task under the task table's cursor.
+        self.selected: RowKey | None = None
+        #: The scope of the tree and flame graph (set when one is opened).
+        self.opened: Scope = ALL
+        self._focus_path: Path | None = None
+        self._searched = ""
+        self._last: dict[RowKey, tuple[StackRow, ...]] = {}
+        self._rows_seen: dict[RowKey, TaskRow | ProcessRow] = {}
+        self._since: tuple[StackRow, ...] | None = None
+        self._since_seq = -1
+        self._flame_inputs: tuple[Hashable, ...] = ()
+
+    def compose(self) -> ComposeResult:
+        yield StackTable(id="stacks")
+        yield CallchainTree(id="tree")
+        yield FlameGraph(id="flame")
+
+    # --- what the app asks --------------------------------------------------
+
+    def select(self, key: RowKey | None) -> None:
+        """The task table's cursor is on `key`: show its stacks (unless all tasks')."""
+        if key == self.selected:
+            return
+        self.selected = key
+        if self.view != "stacks" and not self.all_tasks and self.opened.kind == "task":
+            self.opened = Scope.task(key)  # the open tree or graph follows the cursor
+        self._refresh()
+
+    def open(self, scope: Scope, *, view: View = "tree", focus: Path | None = None) -> None:
+        """Open the tree (or the flame graph) of `scope`, the cursor on `focus`."""
+        self.opened = scope
+        if self.view == view:
+            self._refresh(focus=focus)
+        else:
+            self._focus_path = focus
+            self.view = view
+        self.visible_child().focus()
+
+    def back(self) -> bool:
+        """Esc: from the tree or the flame graph back to the table (False: nothing to do)."""
+        if self.view == "stacks":
+            return False
+        self.view = "stacks"
+        return True
+
+    def toggle_flame(self) -> None:
+        """The flame graph of what is shown now, or back from it."""
+        if self.view == "flame":
+            self.view = "stacks"
+            return
+        if self.view == "stacks":
+            self.opened = self._table_scope()
+        self.open(self.opened, view="flame")
+
+    def cycle_merge(self) -> None:
+        """Merge stacks: not at all, within a process, across one command."""
+        self.merge = MERGE_CYCLE[(MERGE_CYCLE.index(self.merge) + 1) % len(MERGE_CYCLE)]
+
+    def visible_child(self) -> StackTable | CallchainTree | FlameGraph:
+        """The widget drawn now."""
+        if self.view == "tree":
+            return self.query_one(CallchainTree)
+        if self.view == "flame":
+            return self.query_one(FlameGraph)
+        return self.query_one(StackTable)
+
+    def view_data(self) -> ViewData:
+        """The stacks of the current view (a zoomed flame graph: what is in view)."""
+        scope = self._table_scope() if self.view == "stacks" else self.opened
+        stacks, _ = self._stacks_of(scope)
+        if self.view == "flame":
+            stacks = self.query_one(FlameGraph).view_stacks()
+        snap = self.index.snapshot
+        start = self.since_start.since if self.cumulative else snap.time - snap.interval_s
+        return ViewData(tuple(stacks), self._scope_title(scope).plain, start, snap.time,
+                        self.show_kernel, self.show_user)
+
+    # --- watchers -------------------------------------------------------------
+
+    def watch_index(self, index: SnapshotIndex) -> None:
+        for key in (self.selected, self.opened.key):
+            row = index.rows.get(key) if key is not None else None
+            if row is not None:
+                self._rows_seen[row.key] = row
+        while len(self._rows_seen) > self.REMEMBERED:
+            del self._rows_seen[next(iter(self._rows_seen))]
+        if self.cumulative:
+            self._rank_since_start(index.snapshot.seq)
+        self._refresh()
+
+    def watch_view(self, view: View) -> None:
+        self.current = view
+        self.set_class(view == "flame", "-flame")
+        focus, self._focus_path = self._focus_path, None
+        self._refresh(focus=focus)
+        self.post_message(self.ViewChanged(view))
+
+    def watch_all_tasks(self) -> None:
+        if self.view != "stacks":
+            self.view = "stacks"
+        else:
+            self._refresh()
+
+    def watch_cumulative(self, cumulative: bool) -> None:
+        self._since = None
+        if cumulative:
+            self._rank_since_start(self.index.snapshot.seq)
+        self._refresh()
+
+    def watch_merge(self) -> None:
+        self._refresh()
+
+    def watch_show_kernel(self) -> None:
+        self._refresh()
+
+    def watch_show_user(self) -> None:
+        self._refresh()
+
+    def watch_hide_idle(self) -> None:
+        self._refresh()
+
+    def watch_filter_text(self, text: str) -> None:
+        if self.view == "flame":
+            self._search()
+        elif self.all_tasks:
+            self._refresh()
+
+    # --- scopes and their stacks ----------------------------------------------
+
+    def _table_scope(self) -> Scope:
+        return ALL if self.all_tasks else Scope.task(self.selected)
+
+    def _stacks_of(self, scope: Scope) -> tuple[list[StackRow], bool]:
+        """A scope's stacks, filtered as asked; and whether they are the last seen."""
+        index = self.index
+        if scope.block is not None:
+            return [scope.block], False
+        if scope.kind == "none":
+            return [], False
+        stale = False
+        source: Sequence[StackRow]
+        if self.cumulative:
+            source = self._since or ()
+            if scope.key is not None:
+                key = scope.key
+                source = [s for s in source if (s.pid if key.is_process else s.tid) == key.id]
+            elif scope.kind == "command":
+                source = [s for s in source if s.comm == scope.comm]
+        elif scope.key is not None:
+            source = index.stacks_of(scope.key)
+            if source:
+                self._remember(scope.key, tuple(source))
+            else:
+                last = self._last.get(scope.key, ())
+                source, stale = last, bool(last)
+        elif scope.kind == "command":
+            source = [s for s in index.snapshot.stacks if s.comm == scope.comm]
+        else:
+            source = index.snapshot.stacks
+        text = self.filter_text.strip() if scope.kind == "all" and self.view == "stacks" else ""
+        stacks = index.view(source, hide_idle=self.hide_idle)
+        if text:
+            stacks = [s for s in stacks if _task_matches(s, text)
+                      or text.casefold() in index.catalog.text(s)]
+        return stacks, stale
+
+    def _remember(self, key: RowKey, stacks: tuple[StackRow, ...]) -> None:
+        self._last.pop(key, None)
+        self._last[key] = stacks
+        while len(self._last) > self.REMEMBERED:
+            del self._last[next(iter(self._last))]
+
+    # --- refreshing -------------------------------------------------------------
+
+    def _refresh(self, *, focus: Path | None = None) -> None:
+        if not self.is_mounted:
+            return
+        if self.view == "stacks":
+            self._refresh_table()
+        elif self.view == "tree":
+            self._refresh_tree(focus)
+        else:
+            self._refresh_flame()
+
+    def _refresh_table(self) -> None:
+        scope = self._table_scope()
+        stacks, stale = self._stacks_of(scope)
+        merged = merge_identical(stacks, self.merge, self.index.facts)
+        everything = scope.kind == "all"
+        limit = StackTable.MAX_ROWS_ALL if everything else StackTable.MAX_ROWS
+        rows = [(self._row_key(m), m) for m in merged[:limit]]
+        total = sum(s.offcpu_ns for s in stacks)
+        self.query_one(StackTable).show(
+            rows, scope="all" if everything else "task", merged=self.merge != "none",
+            total_ns=total, show_kernel=self.show_kernel, show_user=self.show_user)
+        title = Text("All stacks by off-CPU time" if everything else "Stacks of ", end="")
+        if not everything:
+            title.append_text(self._scope_title(scope))
+        self._set_titles(title, self._table_subtitle(len(stacks), len(rows), stale))
+
+    def _row_key(self, m: MergedStack) -> StackKey:
+        s = m.row
+        owner: Hashable = s.tid
+        if self.merge == "process":
+            owner = ("p", s.pid)
+        elif self.merge == "command":
+            owner = ("c", s.comm)
+        return (owner, s.state, s.before_start, self.index.facts(s).chain)
+
+    def _table_subtitle(self, stacks: int, shown: int, stale: bool) -> Text:
+        sub = Text(end="")
+        if stale:
+            sub.append("idle this interval: last seen", style="italic #e0c050")
+        else:
+            sub.append(f"{stacks:,} stacks" if shown == stacks
+                       else f"top {shown:,} of {stacks:,} stacks")
+        sub.append_text(self._mode_text())
+        sub.append(" · Enter: tree · f: flame graph" + ("" if self.all_tasks
+                                                       else " · a: all tasks"))
+        return sub
+
+    def _mode_text(self) -> Text:
+        t = Text(end="")
+        if self.merge != "none":
+            t.append(f" · merged by {self.merge}", style="bold")
+        if self.hide_idle:
+            t.append(" · idle hidden", style="bold")
+        if self.cumulative:
+            since = "" if self._since is not None else " (summing…)"
+            t.append(f" · since start{since}", style="bold")
+        return t
+
+    def _refresh_tree(self, focus: Path | None) -> None:
+        scope = self.opened
+        stacks, stale = self._stacks_of(scope)
+        total = sum(s.offcpu_ns for s in stacks)
+        label = self._scope_title(scope)
+        label.append(f"  {format_ns(total)} off-CPU", style="bold")
+        interval_s = self.index.snapshot.interval_s
+        if scope.block is None and not self.cumulative and interval_s > 0:
+            label.append(f" ({100 * total / (interval_s * 1e9):.0f}% of {interval_s:g}s)",
+                         style="dim")
+        states: dict[str, int] = {}
+        for s in stacks:
+            states[s.state] = states.get(s.state, 0) + s.offcpu_ns
+        for state, ns in sorted(states.items(), key=lambda kv: -kv[1]):
+            label.append(f"  {state} {format_ns(ns)}", style="dim")
+        if stale:
+            label.append("  (idle this interval: last seen)", style="italic #e0c050")
+        owner = (scope.kind, scope.key, scope.comm, scope.block)
+        self.query_one(CallchainTree).show(owner, label, stacks, show_kernel=self.show_kernel,
+                                           show_user=self.show_user, focus=focus)
+        title = Text("Callchain of ", end="")
+        title.append_text(self._scope_title(scope))
+        sub = Text("outermost frame first", end="")
+        sub.append_text(self._mode_text())
+        sub.append(" · K/U: kernel/user frames · Esc: back")
+        self._set_titles(title, sub)
+
+    def _refresh_flame(self) -> None:
+        scope = self.opened
+        stacks, _ = self._stacks_of(scope)
+        group: GroupBy = ("process" if scope.kind in ("all", "command")
+                          else "thread" if scope.key is not None and scope.key.is_process
+                          else "none")
+        inputs = (self.index.snapshot.seq, scope, self.cumulative, self._since_seq,
+                  self.hide_idle, self.show_kernel, self.show_user, len(stacks))
+        if inputs != self._flame_inputs:
+            self._flame_inputs = inputs
+            self._build_flame(stacks, self._scope_title(scope).plain, group, inputs)
+        if self._searched != self.filter_text.strip():
+            self._search()
+
+    def _search(self) -> None:
+        """The flame graph highlights the frames that contain the filter text."""
+        self._searched = self.filter_text.strip()
+        self.query_one(FlameGraph).search(self._searched)
+
+    @work(thread=True, exclusive=True, group="flame", exit_on_error=False)
+    def _build_flame(self, stacks: list[StackRow], title: str, group: GroupBy,
+                     inputs: tuple[Hashable, ...]) -> None:
+        """Merge the stacks into a flame tree off the event loop."""
+        tree = FlameTree(stacks, title=title, group_by=group, show_kernel=self.show_kernel,
+                         show_user=self.show_user)
+        self.post_message(self.FlameReady(tree, inputs))
+
+    @on(FlameReady)
+    def _flame_ready(self, message: FlameReady) -> None:
+        if message.inputs == self._flame_inputs and self.view == "flame":
+            self.query_one(FlameGraph).show_tree(message.tree)
+
+    def _rank_since_start(self, seq: int) -> None:
+        self._rank_worker(seq)
+
+    @work(thread=True, exclusive=True, group="since-start", exit_on_error=False)
+    def _rank_worker(self, seq: int) -> None:
+        """Rank the since-start totals off the event loop."""
+        self.post_message(self.SinceStartReady(self.since_start.ranked(), seq))
+
+    @on(SinceStartReady)
+    def _since_start_ready(self, message: SinceStartReady) -> None:
+        if self.cumulative:
+            self._since, self._since_seq = message.rows, message.seq
+            self._refresh()
+
+    # --- titles -----------------------------------------------------------------
+
+    def _set_titles(self, title: Text, subtitle: Text) -> None:
+        if self.cumulative:
+            title.append(" since start", style="bold")
+        self.border_title = title
+        self.border_subtitle = subtitle
+
+    def _scope_title(self, scope: Scope) -> Text:
+        if scope.block is not None:
+            b = scope.block
+            t = Text(f"{scope.label} ", style="italic", end="")
+            t.append_text(task_label(b.comm, b.pid, b.tid))
+            return t
+        if scope.kind == "none":
+            return Text("no task selected", style="dim", end="")
+        if scope.kind == "command":
+            t = Text("every ", style="dim", end="")
+            t.append_text(untrusted_text(scope.comm, "bold"))
+            t.append(" process", style="dim")
+            return t
+        if scope.key is None:
+            return Text("all tasks", end="")
+        return self._task_title(scope.key)
+
+    def _task_title(self, key: RowKey) -> Text:
+        row = self.index.rows.get(key) or self._rows_seen.get(key)
+        if row is None:
+            # Not in this snapshot nor seen before (a task blocked since
+            # before it ran): its stacks still name it.
+            stacks = self.index.stacks_of(key) or self._last.get(key, ())
+            if not stacks:
+                return Text(str(key), end="")
+            s = stacks[0]
+            return task_label(s.comm, s.pid, None if key.is_process else s.tid)
+        if isinstance(row, ProcessRow):
+            t = task_label(row.comm, row.pid)
+            t.append(f" ({row.threads} threads)", style="dim")
+            if row.user:
+                t.append(" ")
+                t.append_text(untrusted_text(row.user, "italic"))
+            if row.cmdline:
+                cmd = row.cmdline if len(row.cmdline) <= 60 else row.cmdline[:59] + "…"
+                t.append(" ")
+                t.append_text(untrusted_text(cmd, "dim"))
+            return t
+        return task_label(row.comm, row.pid, row.tid)
+
+    # --- the table's rows -------------------------------------------------------
+
+    @on(StackTable.StackChosen)
+    def _stack_chosen(self, event: StackTable.StackChosen) -> None:
+        """Enter on a stack: the tree of its owner, the cursor on it."""
+        event.stop()
+        s = event.merged.row
+        scope = self._table_scope()
+        if scope.kind == "all":
+            scope = (Scope.task(RowKey.thread(s.tid)) if self.merge == "none"
+                     else Scope.task(RowKey.process(s.pid)) if self.merge == "process"
+                     else Scope.command(s.comm))
+        self.open(scope, focus=stack_path(s, show_kernel=self.show_kernel,
+                                          show_user=self.show_user))
+
+
+def _task_matches(s: StackRow, text: str) -> bool:
+    needle = text.lower()
+    return needle in s.comm.lower() or needle in str(s.pid) or needle in str(s.tid)
