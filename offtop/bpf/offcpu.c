@@ -192,8 +192,13 @@ BPF_PERF_OUTPUT(offcpu_events);
 BPF_TABLE("stacktrace", int, struct kstack_t, kernel_stacks, OFFTOP_STACK_ENTRIES);
 #if defined(__x86_64__)
 // User stacks are walked by this program (walk_user_stack below), and kept
-// in a hash that Python reads exactly like a stack map: id -> frames.
-BPF_HASH(user_stacks, u32, struct ustack_t, OFFTOP_USTACK_ENTRIES);
+// in a hash that Python reads exactly like a stack map: id -> frames. An id
+// is a hash of the frames, so an id always names the same stack, and the
+// map can be an LRU: the stacks no block has used for longest go first,
+// never a new one (a full map would turn every new stack into -ENOMEM; as
+// Python teaches unwinding rules, each site's stack grows by a frame or two
+// and briefly exists in several versions).
+BPF_TABLE("lru_hash", u32, struct ustack_t, user_stacks, OFFTOP_USTACK_ENTRIES);
 // One frame longer than a stack, so the terminating 0 always has a place.
 struct ustack_scratch_t { u64 ip[OFFTOP_USTACK_DEPTH + 1]; };
 BPF_PERCPU_ARRAY(ustack_scratch, struct ustack_scratch_t, 1);
@@ -460,7 +465,11 @@ static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_re
             if (ra == 0)
                 break;
             st->ip[i] = ra | tag;
-            h = (h ^ (ra | tag)) * 0x100000001B3ULL;
+            // The id hashes addresses only: where frame pointers are kept,
+            // the rbp chain and the rules find the same frames, and a stack
+            // must keep its id as Python teaches rules (else each step of
+            // learning would store every stack again).
+            h = (h ^ ra) * 0x100000001B3ULL;
             h ^= h >> 29;
             n = i + 1;
             pc = ra;
@@ -492,10 +501,11 @@ static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_re
         if (!have)
             return err == -17 ? -17 : -12;
     }
-    // Frames 0..n-1 and the terminating 0 must match.
+    // Frames 0..n-1 and the terminating 0 must match (their addresses: the
+    // stored stack keeps the tags it was first seen with).
     for (u32 i = 0; i < OFFTOP_USTACK_DEPTH; i++) {
         u64 a = st->ip[i], b = have->ip[i];
-        if (a != b)
+        if ((a ^ b) & ~FP_FRAME_TAG)
             return -17;
         if (i >= frames)
             break;

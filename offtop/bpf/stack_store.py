@@ -175,8 +175,14 @@ class StackStore:
         if not full:
             return
         horizon = seq - 2
+        # User stacks live in an LRU map (offcpu.c): the kernel makes room there
+        # itself; ids unused here are only forgotten, never deleted.
+        forget = [k for k, seen in self._last_use.items()
+                  if k[0] == "u" and seen < horizon and k not in live]
+        for k in forget:
+            del self._last_use[k]
         victims = [k for k, seen in self._last_use.items()
-                   if k[0] in full and seen < horizon and k not in live]
+                   if k[0] in full and k[0] != "u" and seen < horizon and k not in live]
         for kind, sid in victims:
             self._maps.delete_stack(kind, sid)
             del self._last_use[(kind, sid)]

@@ -81,6 +81,8 @@ class UserStackRepair:
         self._taught: dict[int, set[int]] = {}
         self._count = 0
         self._maps: dict[int, list[ExecMapping]] = {}
+        # (pid, address, first frame?) -> does the frame keep rbp as its base?
+        self._keeps_fp: dict[tuple[int, int, bool], bool] = {}
         self.stats = RepairStats()
 
     def new_tick(self) -> None:
@@ -96,6 +98,7 @@ class UserStackRepair:
         """These processes are gone: their rules mean nothing any more."""
         for pid in pids:
             self._count -= len(self._taught.pop(pid, ()))
+        self._keeps_fp = {k: v for k, v in self._keeps_fp.items() if k[0] not in pids}
 
     def _maps_of(self, pid: int) -> list[ExecMapping]:
         maps = self._maps.get(pid)
@@ -116,13 +119,25 @@ class UserStackRepair:
         for addr in addrs[1:]:
             if addr & FP_FRAME_TAG:
                 addr &= ~FP_FRAME_TAG
-                below = self._rule(pid, out[-1], len(out) == 1, maps)
-                if below is not None and below.cfa != CfaKind.RBP:
+                if not self._keeps_frame_pointer(pid, out[-1], len(out) == 1, maps):
                     self.stats.cut += 1
                     return tuple(out), True
             out.append(addr)
             self._learn(pid, addr, False, maps)
         return tuple(out), False
+
+    def _keeps_frame_pointer(self, pid: int, addr: int, first: bool,
+                             maps: list[ExecMapping]) -> bool:
+        """Is rbp the frame base of the function at `addr` (or nothing says otherwise)?"""
+        key = (pid, addr, first)
+        keeps = self._keeps_fp.get(key)
+        if keeps is None:
+            rule = self._rule(pid, addr, first, maps)
+            keeps = rule is None or rule.cfa == CfaKind.RBP
+            if len(self._keeps_fp) >= 4 * self._max_rules:
+                self._keeps_fp.clear()
+            self._keeps_fp[key] = keeps
+        return keeps
 
     def _learn(self, pid: int, addr: int, first: bool, maps: list[ExecMapping]) -> None:
         taught = self._taught.setdefault(pid, set())
