@@ -24,7 +24,7 @@ bench: setup bench-system
 
 # Benchmarks only: bpftrace, the tool offtop's cost is compared with.
 bench-system:
-	@$(MAKE) --no-print-directory system SYSTEM_PKGS="bpftrace"
+	@$(MAKE) --no-print-directory system SYSTEM_PKGS="bpftrace htop"
 
 setup: system $(VENV)/.stamp-install
 
