@@ -438,7 +438,7 @@ class OfftopApp(App[int]):
 
     @on(TaskTable.TaskHighlighted)
     def _task_highlighted(self, event: TaskTable.TaskHighlighted) -> None:
-        self.query_one(StacksPane).select(event.key)
+        self.query_one(StacksPane).select(event.key, moved=event.moved)
 
     @on(TaskTable.TaskChosen)
     def _task_chosen(self, event: TaskTable.TaskChosen) -> None:

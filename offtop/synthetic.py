@@ -1,9 +1,12 @@
 """Deterministic synthetic snapshots, for UI tests, demos and the UI benchmark.
 
-The data looks like a busy server: a database, a web server, a JVM, a few
+The data looks like a busy server: a database, a web server, a JVM (with
+an unresolved frame), a Python program (with Python frames, `py:`), a few
 daemons and one process whose name contains markup-like brackets (process
-names are untrusted and must be shown literally). Everything is derived from
-a seeded `random.Random`, and times are fixed, so the same arguments always
+names are untrusted and must be shown literally). It has what a real
+capture has too: a task blocked since before offtop started, counted
+errors, offtop's own cost, and a notice. Everything is derived from a
+seeded `random.Random`, and times are fixed, so the same arguments always
 give the same snapshots: snapshot tests depend on it.
 
 Stacks follow the model's conventions: `kernel[0]` and `user[0]` are the
@@ -58,6 +61,9 @@ class _Program:
     binary: str
     threads: tuple[str, ...]
     loops: tuple[str, ...]
+    #: Frames between the libc entry and the loop: Python functions, or a
+    #: frame that could not be resolved.
+    inner: tuple[tuple[str, str], ...] = ()
 
 
 _PROGRAMS: tuple[_Program, ...] = (
@@ -70,11 +76,14 @@ _PROGRAMS: tuple[_Program, ...] = (
     _Program("java", "libjvm.so", ("java", "GC Thread#0", "C2 CompilerThre", "VM Thread",
                                    "http-nio-8080-e", "Finalizer"),
              ("Monitor::wait", "Parker::park", "ObjectMonitor::wait", "JavaThread::run",
-              "SafepointSynchronize::block")),
+              "SafepointSynchronize::block"),
+             (("libjvm.so+0x4f2a10", "libjvm.so"),)),
     _Program("redis-server", "redis-server", ("redis-server", "bio_close_file", "bio_aof"),
              ("aeProcessEvents", "aeMain", "bioProcessBackgroundJobs")),
     _Program("python3", "python3.11", ("python3",),
-             ("time_sleep", "_PyEval_EvalFrameDefault", "PyRun_SimpleFileExFlags")),
+             ("time_sleep", "_PyEval_EvalFrameDefault", "PyRun_SimpleFileExFlags"),
+             (("py:Queue.get (queue.py:171)", "/usr/lib/python3.11/queue.py"),
+              ("py:worker (app.py:42)", "/srv/app.py"))),
     _Program("sshd", "sshd", ("sshd",), ("server_loop2", "do_authenticated")),
     _Program("evil[red]comm", "evil", ("evil[red]comm",),
              ("worker_loop", "handle[bold]request", "main")),
@@ -136,6 +145,8 @@ def _build_tasks(rng: random.Random, tasks: int, stacks: int) -> list[_Task]:
                     Frame(name=u, module="libc.so.6" if k == 0 else prog.binary)
                     for k, u in enumerate(user_names)
                 )
+                inner = tuple(Frame(name=n, module=m) for n, m in prog.inner)
+                user = (*user[:1], *inner, *user[1:])
                 task_stacks.append(
                     _Stack(state=state, kernel=_kernel_frames(knames), user=user,
                            weight=rng.paretovariate(1.2))
@@ -176,6 +187,10 @@ def synthetic_snapshots(
             seen = {task.comm for task, _ in stuck}
             if s is not None and t.comm not in seen and len(stuck) < (2 if want == "D" else 5):
                 stuck.append((t, s))
+    # Every process's user and command line (as psutil would give them).
+    meta = {t.pid: ("root" if t.comm != "postgres" else "postgres",
+                    f"/usr/bin/{t.comm} --workers 8 --config /etc/{t.comm}.conf")
+            for t in model if t.tid == t.pid}
     snaps: list[Snapshot] = []
     interval_ns = int(interval_s * 1e9)
     for i in range(n):
@@ -208,13 +223,14 @@ def synthetic_snapshots(
             long_blocks.append(
                 LongBlock(time=now - interval_s + (k + 1) * interval_s / 4, pid=task.pid,
                           tid=task.tid, comm=task.comm, state=s.state, duration_ns=dur,
-                          kernel=s.kernel, user=s.user, cgroup_id=4242)
+                          kernel=s.kernel, user=s.user, cgroup_id=4242,
+                          before_start=i == 0 and k == 0)
             )
         blocked = [
             BlockedNow(pid=t.pid, tid=t.tid, comm=t.comm, state=s.state,
                        blocked_ns=int(interval_ns * (i + 1) * (1.7 if j == 0 else 1) / (j + 1)
                                       + 3_100_000 * j),
-                       kernel=s.kernel, user=s.user)
+                       kernel=s.kernel, user=s.user, before_start=j == 0)
             for j, (t, s) in enumerate(stuck)
         ]
         runs = 20_000 + rng.randrange(5_000)
@@ -224,17 +240,23 @@ def synthetic_snapshots(
             events_total=0,
             lost_total=1 if i >= 2 else 0,
             stack_errors={"EEXIST": 2} if i % 2 else {},
-            truncated_stacks=0,
+            truncated_stacks=2,
+            depth_limited_stacks=1,
+            user_stacks_lost=i,
             symbol_misses=3,
+            symbol_errors={"bad ELF": 1},
             agg_entries=len(samples),
             stacks_used=min(stacks, 16_384),
             stacks_capacity=16_384,
             probe_run_ns=runs * (280 + rng.randrange(60)),
             probe_runs=runs,
             interval_s=interval_s,
+            offtop_cpu_pct=1.5 + rng.random(),
+            offtop_rss_bytes=(80 + i) << 20,
         )
         snaps.append(
             agg.build(samples, time=now, interval_s=interval_s, threshold_ns=threshold_ns,
-                      long_blocks=long_blocks, blocked_now=blocked, stats=stats)
+                      long_blocks=long_blocks, blocked_now=blocked, stats=stats,
+                      process_meta=meta.get, notices=("pid 4321 exited",) if i == 1 else ())
         )
     return snaps

@@ -1,32 +1,61 @@
-"""Pilot tests of the TUI, fed by a replay source (the fake) and synthetic data."""
+"""Pilot tests of the TUI, fed by a replay source (the fake) and synthetic data.
+
+Grouped by feature: start and errors, the header, the task table, the stacks
+pane (table, tree, flame graph, merge, idle waits, since start, export),
+blocked now, long blocks, the threshold, layouts, keys.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
+import json
 import os
 import signal
 import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
 
 import pytest
 from textual.binding import Binding
+from textual.content import Content
 from textual.pilot import Pilot
-from textual.widgets import ContentSwitcher
+from textual.widget import Widget
 
+import offtop.widgets.stacks_pane as stacks_pane_module
 from offtop.app import OfftopApp
-from offtop.model import Snapshot
+from offtop.model import (
+    BlockedNow,
+    CaptureStats,
+    Frame,
+    LongBlock,
+    RowKey,
+    Snapshot,
+    StackRow,
+    is_idle_wait,
+)
 from offtop.source import ReplaySource, SourceInfo
 from offtop.synthetic import synthetic_snapshots
+from offtop.units import MAX_THRESHOLD_NS
 from offtop.widgets.blocked_now import BlockedNowTable
-from offtop.widgets.callchain_tree import CallchainTree
+from offtop.widgets.callchain_tree import CallchainTree, merge_stacks
+from offtop.widgets.choice_screen import ChoiceScreen
+from offtop.widgets.flame_graph import FlameGraph, FlameTree
 from offtop.widgets.header import OfftopHeader
 from offtop.widgets.help_screen import HelpScreen
-from offtop.widgets.long_blocks_log import LongBlocksLog
+from offtop.widgets.long_blocks_log import LongBlocksLog, long_block_line
 from offtop.widgets.stack_table import StackTable
+from offtop.widgets.stacks_pane import StacksPane
 from offtop.widgets.task_table import TaskTable
+from offtop.widgets.threshold_pane import ThresholdInput, ThresholdPane
 from offtop.widgets.threshold_slider import ThresholdSlider
 
 SNAPS = synthetic_snapshots(4, tasks=50, stacks=200, seed=0)
 INFO = SourceInfo(host="testhost", kernel="6.1.0-test", scope="all tasks", kind="replay")
 SIZE = (140, 45)
+S = 1_000_000_000
+MS = 1_000_000
 
 
 class FakeLiveReplay(ReplaySource):
@@ -42,8 +71,8 @@ class FakeLiveReplay(ReplaySource):
 class FakeSlowStart(FakeLiveReplay):
     """start() blocks until released, like a BPF compile."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, snapshots: list[Snapshot], **kwargs: Any) -> None:
+        super().__init__(snapshots, **kwargs)
         self.release = threading.Event()
 
     def start(self) -> None:
@@ -58,6 +87,20 @@ class FakeBrokenStart(FakeLiveReplay):
         raise RuntimeError("cannot compile the BPF program: [no kernel headers]")
 
 
+class FakeLiveWaits(FakeLiveReplay):
+    """Blocked-now waits as the live source reads them: whatever the test sets."""
+
+    def __init__(self, snapshots: list[Snapshot], **kwargs: Any) -> None:
+        super().__init__(snapshots, **kwargs)
+        self.waits: dict[int, int] = {}
+        self.asked: list[list[int]] = []
+
+    def blocked_waits(self, tids: Iterable[int]) -> Mapping[int, int]:
+        wanted = list(tids)
+        self.asked.append(wanted)
+        return {tid: self.waits[tid] for tid in wanted if tid in self.waits}
+
+
 class FakeClock:
     """A clock the test moves by hand."""
 
@@ -68,9 +111,34 @@ class FakeClock:
         return self.now
 
 
-def fake_source(n: int = 1, cls: type[ReplaySource] = FakeLiveReplay) -> ReplaySource:
+class NotedApp(OfftopApp):
+    """The app, keeping what it notifies (to check what a toast says)."""
+
+    CSS_PATH = str(Path(__file__).resolve().parent.parent / "offtop" / "app.tcss")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.noted: list[str] = []
+
+    def notify(self, message: str, *args: Any, **kwargs: Any) -> None:
+        self.noted.append(message)
+        super().notify(message, *args, **kwargs)
+
+
+class CountingFlameTree(FlameTree):
+    """A flame tree that counts how many are built (a fake, patched in)."""
+
+    built = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        type(self).built += 1
+        super().__init__(*args, **kwargs)
+
+
+def fake_source(n: int = 1, cls: type[ReplaySource] = FakeLiveReplay,
+                snaps: list[Snapshot] | None = None) -> ReplaySource:
     """The replay source standing in for BPF."""
-    return cls(SNAPS[:n], realtime=False, info=INFO)
+    return cls((SNAPS if snaps is None else snaps)[:n], realtime=False, info=INFO)
 
 
 async def shown(pilot: Pilot[object], app: OfftopApp, seq: int = 1) -> None:
@@ -83,51 +151,158 @@ async def shown(pilot: Pilot[object], app: OfftopApp, seq: int = 1) -> None:
     await pilot.pause()
 
 
+async def until(pilot: Pilot[object], test: Any, what: str, tries: int = 300) -> None:
+    """Wait (a worker, a timer) until `test()` is true."""
+    for _ in range(tries):
+        if test():
+            return
+        await pilot.pause(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+def tree_labels(tree: CallchainTree) -> list[str]:
+    """Every label of a callchain tree, the root's first."""
+    out, todo = [], [tree.root]
+    while todo:
+        node = todo.pop()
+        out.append(str(node.label))
+        todo.extend(node.children)
+    return out
+
+
 def header_text(app: OfftopApp) -> str:
     return app.query_one(OfftopHeader).render().plain
 
 
-async def test_shows_ranked_tasks_and_header() -> None:
+def pane(app: OfftopApp) -> StacksPane:
+    return app.query_one(StacksPane)
+
+
+def title(widget: Widget) -> str:
+    """A border title as shown (titles are kept as markup)."""
+    return Content.from_markup(str(widget.border_title or "")).plain
+
+
+def subtitle(widget: Widget) -> str:
+    """A border subtitle as shown."""
+    return Content.from_markup(str(widget.border_subtitle or "")).plain
+
+
+def shown_stacks(app: OfftopApp) -> list[StackRow]:
+    table = app.query_one(StackTable)
+    rows = [table.stack_by_key(k) for k in table.row_keys_in_order]
+    return [r for r in rows if r is not None]
+
+
+def with_stats(snap: Snapshot, **stats: Any) -> Snapshot:
+    return dataclasses.replace(snap, stats=dataclasses.replace(snap.stats, **stats))
+
+
+# --- start, failure, the header ---------------------------------------------------
+
+
+async def test_shows_ranked_tasks_and_the_header() -> None:
     src = fake_source()
     app = OfftopApp(src, clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
         table = app.query_one(TaskTable)
         assert table.row_keys_in_order == [t.key for t in SNAPS[0].tasks]
-        assert table.cursor_key == SNAPS[0].tasks[0].key
+        assert table.cursor_key == RowKey.thread(SNAPS[0].tasks[0].tid)
         text = header_text(app)
         assert "testhost" in text and "6.1.0-test" in text and "all tasks" in text
         assert "threshold 100ms" in text and "interval 1s" in text
         assert "lost 0" in text and "stack errors" in text and "ns/switch" in text
+        # offtop's own cost beside the probe's.
+        stats = SNAPS[0].stats
+        assert f"offtop {stats.offtop_cpu_pct:.1f}% CPU 80 MB" in text
         assert "PAUSED" not in text
+        assert title(table) == "Threads by off-CPU time"
+        assert subtitle(table).startswith("50 threads")
         assert src.threshold_writes == []
 
 
+async def test_counted_errors_reach_the_header() -> None:
+    snap = with_stats(
+        SNAPS[0], drops={"aggregate map full": 5}, lost=2, lost_total=7, truncated_stacks=11,
+        depth_limited_stacks=4, user_stacks_lost=6, symbol_misses=3, symbol_deadline_misses=9,
+        symbol_errors={"bad ELF": 2}, stacks_used=12_000, stacks_capacity=16_384,
+        stack_errors={"user EEXIST": 8}, python_failures={"read failed": 1},
+        flood_threshold_ns=2 * S)
+    app = OfftopApp(fake_source(snaps=[snap]), clock=FakeClock())
+    async with app.run_test(size=(240, 45)) as pilot:
+        await shown(pilot, app)
+        text = header_text(app)
+        for said in ("dropped aggregate map full 5", "events lost 7 in all",
+                     "stack ids failed user EEXIST 8", "11 truncated", "4 at the depth limit",
+                     "6 user stacks lost", "stack map 12,000/16,384 used", "3 unresolved",
+                     "9 left for later", "errors: bad ELF 2", "python stacks failed read failed 1",
+                     "threshold raised to 2.00s by flood control", "lost 2"):
+            assert said in text, said
+        assert len(text.splitlines()) == 3
+
+
+async def test_notices_and_the_end_of_the_run_are_said_and_the_app_stays() -> None:
+    end = dataclasses.replace(SNAPS[2], notices=("pid 1052 exited",),
+                              finished="nothing left to watch: pid 1052 exited")
+    app = OfftopApp(ReplaySource([SNAPS[0], SNAPS[1], end], realtime=False, info=INFO),
+                    clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app, seq=3)
+        await until(pilot, lambda: app.status == "ended", "the source ended")
+        await pilot.pause()
+        text = header_text(app)
+        assert "RUN OVER" in text and "nothing left to watch: pid 1052 exited" in text
+        assert "the last data stays on screen" in text
+        assert "pid 1052 exited" in text.splitlines()[2]
+        assert app.query_one(OfftopHeader).has_class("-finished")
+        assert app.is_running and app.query_one(TaskTable).row_count == len(end.tasks)
+
+
 async def test_loading_state_until_the_source_starts() -> None:
-    src = fake_source(cls=FakeSlowStart)
-    assert isinstance(src, FakeSlowStart)
+    src = FakeSlowStart(SNAPS[:1], realtime=False, info=INFO)
     app = OfftopApp(src, clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause(0.1)
-        assert app.has_class("-loading")
+        assert app.has_class("-loading") and app.loading
         assert app.query_one(TaskTable).loading
+        # The class has a rule: the empty panes are faded while loading.
+        assert app.query_one("#right").styles.opacity < 1
         assert "compiling the BPF program" in header_text(app)
         src.release.set()
         await shown(pilot, app)
         assert not app.has_class("-loading")
         assert not app.query_one(TaskTable).loading
+        assert app.query_one("#right").styles.opacity == 1
+        assert app.focused is app.query_one(TaskTable)
+
+
+async def test_a_started_source_is_running_before_its_first_snapshot() -> None:
+    app = OfftopApp(FakeLiveReplay([], realtime=False, info=INFO), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.status == "running", "the source started")
+        await pilot.pause()
+        assert app.query_one(OfftopHeader).status == "running"
+        assert app.snapshot is None
+
+
+async def test_a_stalled_source_is_said_to_be() -> None:
+    clock = FakeClock()
+    app = OfftopApp(fake_source(), clock=clock)
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        assert "no data" not in header_text(app)
+        clock.now += 10
+        await until(pilot, lambda: "no data for 10s" in header_text(app), "the stall said")
 
 
 async def test_start_failure_is_shown_and_q_quits() -> None:
     app = OfftopApp(fake_source(cls=FakeBrokenStart), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
-        for _ in range(200):
-            if app.source_error is not None:
-                break
-            await pilot.pause(0.01)
+        await until(pilot, lambda: app.source_error is not None, "the failure")
         await pilot.pause()
         assert isinstance(app.source_error, RuntimeError)
-        assert app.has_class("-failed")
+        assert app.has_class("-failed") and not app.loading
         error = app.query_one("#error")
         assert error.display
         assert "[no kernel headers]" in str(error.render())
@@ -137,7 +312,10 @@ async def test_start_failure_is_shown_and_q_quits() -> None:
     assert app.source_error is not None
 
 
-async def test_navigation_keys() -> None:
+# --- the task table ------------------------------------------------------------------
+
+
+async def test_navigation_keys_and_the_stacks_pane_follows() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
@@ -155,14 +333,17 @@ async def test_navigation_keys() -> None:
         assert table.cursor_key == keys[0]
         await pilot.press("pagedown")
         assert table.cursor_row > 5
-        # The stacks pane follows the cursor.
         await pilot.press("home", "down")
         await pilot.pause()
-        tid = int(keys[1][1:])
-        stacks = app.query_one(StackTable)
-        assert stacks.row_count == len(SNAPS[0].stacks_of(tid))
-        assert all(s.tid == tid for s in map(stacks.stack_by_key, stacks.row_keys_in_order)
-                   if s is not None)
+        tid = keys[1].id
+        assert len(shown_stacks(app)) == len(SNAPS[0].stacks_of(tid))
+        assert {s.tid for s in shown_stacks(app)} == {tid}
+        assert title(pane(app)).startswith(f"Stacks of {SNAPS[0].tasks[1].comm}")
+        # k means up in every pane: in the stacks table too, never a frame toggle.
+        app.query_one(StackTable).focus()
+        await pilot.press("down", "k")
+        assert app.query_one(StackTable).cursor_row == 0
+        assert app.show_kernel and app.show_user
 
 
 @pytest.mark.parametrize("follow", [False, True], ids=["position", "follow"])
@@ -171,7 +352,9 @@ async def test_cursor_across_a_resort_keeps_its_position_or_follows(follow: bool
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
         table = app.query_one(TaskTable)
-        table.follow = follow
+        if follow:
+            await pilot.press("F")  # htop's F
+            assert table.follow and "following" in subtitle(table)
         first = [t.key for t in SNAPS[0].tasks]
         second = [t.key for t in SNAPS[1].tasks]
         # A task whose rank changes between the two snapshots.
@@ -188,37 +371,32 @@ async def test_cursor_across_a_resort_keeps_its_position_or_follows(follow: bool
         else:  # htop's default: the cursor stays at its row, on whatever task is there
             assert table.cursor_row == before
             assert table.cursor_key == second[before] != key
-        # The stacks pane shows the task under the cursor.
         await pilot.pause()
-        tid = int(str(table.cursor_key)[1:])
-        stacks = app.query_one(StackTable)
-        assert {s.tid for s in map(stacks.stack_by_key, stacks.row_keys_in_order)
-                if s is not None} == {tid}
+        cursor = table.cursor_key
+        assert cursor is not None
+        assert {s.tid for s in shown_stacks(app)} == {cursor.id}
 
 
-async def test_selected_task_stays_listed_while_idle() -> None:
+async def test_a_followed_task_stays_listed_while_idle() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
         table = app.query_one(TaskTable)
-        table.follow = True
+        await pilot.press("F")
         key = SNAPS[0].tasks[5].key
         table.move_to_key(key)
         await pilot.pause()
-        # The next snapshot has nothing for this task.
         snap = SNAPS[1]
-        idle = Snapshot(seq=snap.seq, time=snap.time, interval_s=snap.interval_s,
-                        threshold_ns=snap.threshold_ns,
-                        tasks=tuple(t for t in snap.tasks if t.key != key),
-                        stacks=tuple(s for s in snap.stacks if f"t{s.tid}" != key),
-                        stats=snap.stats)
+        idle = dataclasses.replace(snap, tasks=tuple(t for t in snap.tasks if t.key != key),
+                                   stacks=tuple(s for s in snap.stacks if s.tid != key.id))
         app.publish(idle)
         await shown(pilot, app, seq=2)
         assert table.cursor_key == key
-        assert "last seen" in str(app.query_one("#stacks-pane").border_subtitle)
+        assert "last seen" in subtitle(pane(app))
+        assert len(shown_stacks(app)) == len(SNAPS[0].stacks_of(key.id))
 
 
-async def test_sort_key_cycles_and_header_click_sorts() -> None:
+async def test_sort_key_cycles_header_click_sorts_and_f6_is_a_menu() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
@@ -230,16 +408,79 @@ async def test_sort_key_cycles_and_header_click_sorts() -> None:
         assert counts == sorted(counts, reverse=True)
         await pilot.press("s")
         assert table.sort_spec.column == "max"
-        # Click the COMM header (PID and TID columns are 7 wide, plus padding).
-        await pilot.click(TaskTable, offset=(20, 0))
+        # Click the COMM header (PID and TID columns are 7 wide, plus padding and border).
+        await pilot.click(TaskTable, offset=(21, 1))
         assert table.sort_spec.column == "comm" and not table.sort_spec.reverse
         comms = [by_key[k].comm.lower() for k in table.row_keys_in_order]
         assert comms == sorted(comms)
-        await pilot.click(TaskTable, offset=(20, 0))
+        await pilot.click(TaskTable, offset=(21, 1))
         assert table.sort_spec.reverse
-        comms = [by_key[k].comm.lower() for k in table.row_keys_in_order]
-        assert comms == sorted(comms, reverse=True)
-        assert "COMM" in str(app.query_one("#tasks-pane").border_subtitle)
+        assert "COMM" in subtitle(table)
+        # htop's F6: a menu of the columns, the current one highlighted.
+        await pilot.press("f6")
+        await pilot.pause()
+        assert isinstance(app.screen, ChoiceScreen)
+        await pilot.press("home", "down", "enter")
+        await pilot.pause()
+        assert not isinstance(app.screen, ChoiceScreen)
+        assert table.sort_spec.column == "count"
+
+
+async def test_threads_processes_toggle_keeps_the_task() -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        table = app.query_one(TaskTable)
+        await pilot.press("down")
+        thread = next(t for t in SNAPS[0].tasks if t.key == table.cursor_key)
+        await pilot.press("t")
+        await pilot.pause()
+        assert app.processes and title(table) == "Processes by off-CPU time"
+        assert table.row_keys_in_order == [p.key for p in SNAPS[0].processes]
+        assert table.cursor_key == RowKey.process(thread.pid)
+        assert len(shown_stacks(app)) == min(len(SNAPS[0].stacks_of_process(thread.pid)),
+                                             StackTable.MAX_ROWS)
+        await pilot.press("t")
+        await pilot.pause()
+        assert not app.processes
+        assert table.row_keys_in_order == [t.key for t in SNAPS[0].tasks]
+
+
+async def test_filter_by_name_pid_or_frame_text() -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        table = app.query_one(TaskTable)
+        await pilot.press("slash")
+        assert app.has_class("-filtering")
+        await pilot.press(*"nginx")
+        await pilot.pause()
+        by_key = {t.key: t for t in SNAPS[0].tasks}
+        keys = table.row_keys_in_order
+        assert keys and all(by_key[k].comm == "nginx" for k in keys)
+        assert "match “nginx”" in subtitle(table)
+        await pilot.press(*["backspace"] * 5, *str(SNAPS[0].tasks[0].pid))
+        await pilot.pause()
+        assert all(by_key[k].pid == SNAPS[0].tasks[0].pid for k in table.row_keys_in_order)
+        # Frame text: the tasks with a stack in that function, whatever their name.
+        await pilot.press(*["backspace"] * 4, *"tcp_recvmsg")
+        await pilot.pause()
+        expected = {s.tid for s in SNAPS[0].stacks
+                    if any(f.name == "tcp_recvmsg" for f in s.kernel)}
+        assert expected and {k.id for k in table.row_keys_in_order} == expected
+        # All stacks: only those with the text in their frames.
+        await pilot.press("enter", "a")
+        await pilot.pause()
+        stacks = shown_stacks(app)
+        assert stacks and all(any(f.name == "tcp_recvmsg" for f in s.kernel) for s in stacks)
+        assert app.focused is table and app.has_class("-filtering")
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not app.has_class("-filtering") and app.filter_text == ""
+        assert len(table.row_keys_in_order) == len(SNAPS[0].tasks)
+
+
+# --- the stacks pane: table, tree, flame graph ------------------------------------------
 
 
 async def test_drill_down_into_the_callchain_tree_and_back() -> None:
@@ -249,31 +490,29 @@ async def test_drill_down_into_the_callchain_tree_and_back() -> None:
         task = SNAPS[0].tasks[1]
         await pilot.press("down", "enter")
         await pilot.pause()
-        assert app.drilled
-        assert app.query_one(ContentSwitcher).current == "tree"
+        assert app.drilled and pane(app).current == "tree"
+        assert app.screen.has_class("-drilled")
         tree = app.query_one(CallchainTree)
         assert app.focused is tree
-        assert task.comm in tree.root.label.plain  # type: ignore[union-attr]
+        assert task.comm in str(tree.root.label)
+        assert title(pane(app)).startswith(f"Callchain of {task.comm}")
         top = SNAPS[0].stacks_of(task.tid)[0]
-        outermost = top.user[-1].name
-        labels = [n.label.plain for n in tree.root.children]  # type: ignore[union-attr]
-        assert any(outermost in label for label in labels)
-        # The hottest path is expanded down to a kernel frame.
+        labels = [str(n.label) for n in tree.root.children]
+        assert any(top.user[-1].name in label for label in labels)
         assert any(p[-1].startswith("k:") for p in tree.expanded_paths() if p)
         await pilot.press("escape")
-        assert not app.drilled
-        assert app.query_one(ContentSwitcher).current == "stacks"
+        assert not app.drilled and pane(app).current == "stacks"
         assert app.focused is app.query_one(TaskTable)
 
 
-async def test_tree_keeps_expansion_across_snapshots() -> None:
+async def test_tree_keeps_expansion_and_cursor_across_snapshots() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
+        tid = SNAPS[0].tasks[0].tid
         await pilot.press("enter")
         await pilot.pause()
         tree = app.query_one(CallchainTree)
-        # Expand every node: all of them must stay expanded.
         tree.root.expand_all()
         await pilot.pause()
         expanded = tree.expanded_paths()
@@ -282,6 +521,8 @@ async def test_tree_keeps_expansion_across_snapshots() -> None:
         cursor = tree.cursor_node
         assert cursor is not None and cursor.data is not None
         cursor_path = cursor.data.path
+        # The next snapshot still has that path (the outer frames of a busy task).
+        assert cursor_path in merge_stacks(SNAPS[1].stacks_of(tid))
         app.publish(SNAPS[1])
         await shown(pilot, app, seq=2)
         still = [p for p in expanded if tree.node_at(p) is not None]
@@ -291,11 +532,10 @@ async def test_tree_keeps_expansion_across_snapshots() -> None:
             assert node is nodes[p], "node rebuilt instead of diffed"
             assert node is not None and node.is_expanded
         after = tree.cursor_node
-        if tree.node_at(cursor_path) is not None:
-            assert after is not None and after.data is not None and after.data.path == cursor_path
+        assert after is not None and after.data is not None and after.data.path == cursor_path
 
 
-async def test_stack_row_enter_focuses_its_path() -> None:
+async def test_stack_row_enter_opens_the_tree_at_its_path() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
@@ -309,54 +549,247 @@ async def test_stack_row_enter_focuses_its_path() -> None:
         assert node.data.frame.name == stack.kernel[0].name
 
 
-async def test_frame_toggles() -> None:
+async def test_frame_toggles_are_shift_k_and_u_everywhere() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
         await pilot.press("enter")
         await pilot.pause()
         tree = app.query_one(CallchainTree)
-        await pilot.press("k")  # in the tree: kernel frames off
+        await pilot.press("K")
         await pilot.pause()
         assert not app.show_kernel
         tree.root.expand_all()
         await pilot.pause()
         paths = [p for p in tree.expanded_paths() if p]
         assert paths and all(not step.startswith("k:") for p in paths for step in p)
-        await pilot.press("k", "u")
+        # In the tree k is "up", as everywhere.
+        await pilot.press("down", "down", "k")
+        assert not app.show_kernel and tree.cursor_line == 1
+        await pilot.press("K", "U")
         await pilot.pause()
         assert app.show_kernel and not app.show_user
-        await pilot.press("escape", "U")  # shift: anywhere
-        assert app.show_user
-        await pilot.press("u")  # in the task table, u is not a frame toggle
+        await pilot.press("escape", "U")
         assert app.show_user
         await pilot.press("K", "U")  # hiding both brings the other back
         assert app.show_kernel and not app.show_user
+        assert app.query_one(BlockedNowTable).show_user is False  # bound, not passed by hand
 
 
-async def test_pause_freezes_the_display() -> None:
+async def test_all_stacks_merge_and_their_tree() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
-        await pilot.press("p")
-        assert app.paused and app.has_class("-paused")
-        assert "PAUSED" in header_text(app)
-        rows = app.query_one(TaskTable).row_keys_in_order
-        for n, snap in enumerate(SNAPS[1:3], start=2):
-            app.publish(snap)
-            for _ in range(100):
-                if app.received >= n:
-                    break
-                await pilot.pause(0.01)
-        assert app.received == 3
-        assert app.snapshot is not None and app.snapshot.seq == 1
-        assert "#1" in header_text(app) and "+2" in header_text(app)
-        assert app.query_one(TaskTable).row_keys_in_order == rows
-        await pilot.press("space")
+        await pilot.press("a")
         await pilot.pause()
-        assert not app.paused
-        assert app.snapshot.seq == 3
-        assert "PAUSED" not in header_text(app) and "#3" in header_text(app)
+        table = app.query_one(StackTable)
+        assert table.scope == "all" and title(pane(app)) == "All stacks by off-CPU time"
+        assert table.row_count == min(len(SNAPS[0].stacks), StackTable.MAX_ROWS_ALL)
+        assert len({s.tid for s in shown_stacks(app)}) > 1
+        # Merged across the threads of a process, then across one command.
+        await pilot.press("m")
+        await pilot.pause()
+        by_process = shown_stacks(app)
+        assert "merged by process" in subtitle(pane(app)) and "tasks" in table.column_keys
+        assert sum(s.offcpu_ns for s in by_process) <= sum(s.offcpu_ns for s in SNAPS[0].stacks)
+        keys = [(s.pid, s.state, s.kernel, s.user) for s in by_process]
+        assert len(keys) == len(set(keys)), "identical stacks of a process left apart"
+        await pilot.press("m")
+        await pilot.pause()
+        by_command = shown_stacks(app)
+        keys2 = [(s.comm, s.state, s.kernel, s.user) for s in by_command]
+        assert len(keys2) == len(set(keys2))
+        top = by_command[0]
+        same = [s for s in SNAPS[0].stacks if (s.comm, s.state, s.kernel, s.user) == keys2[0]]
+        assert top.offcpu_ns == sum(s.offcpu_ns for s in same)
+        # Enter: the tree of every process with that command.
+        table.focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.drilled and f"Callchain of every {top.comm} process" in title(pane(app))
+        await pilot.press("escape")
+        assert app.focused is table  # back where the drill started
+        await pilot.press("m", "a")
+        assert not app.drilled and table.scope == "task"
+
+
+async def test_idle_waits_hidden_with_a_key() -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        snap = SNAPS[0]
+        idle = [s for s in snap.stacks if is_idle_wait(s.kernel, s.user)]
+        assert idle, "the synthetic data has idle waits (epoll, idle Go threads)"
+        await pilot.press("a", "i")
+        await pilot.pause()
+        assert app.hide_idle and "idle hidden" in subtitle(pane(app))
+        assert not any(is_idle_wait(s.kernel, s.user) for s in shown_stacks(app))
+        # Tasks whose whole time was idle leave the table; blocked-now drops idle waits.
+        only_idle = {t.tid for t in snap.tasks
+                     if all(is_idle_wait(s.kernel, s.user) for s in snap.stacks_of(t.tid))
+                     and snap.stacks_of(t.tid)}
+        table = app.query_one(TaskTable)
+        assert not only_idle & {k.id for k in table.row_keys_in_order}
+        assert f"{len(only_idle)} idle hidden" in subtitle(table) if only_idle else True
+        blocked = app.query_one(BlockedNowTable)
+        assert all(not is_idle_wait(b.kernel, b.user) for b in snap.blocked_now
+                   if b.tid in blocked.tids)
+        await pilot.press("i")
+        await pilot.pause()
+        assert any(is_idle_wait(s.kernel, s.user) for s in shown_stacks(app))
+
+
+async def test_since_start_sums_the_stacks_of_every_snapshot() -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        for snap in SNAPS[1:3]:
+            app.publish(snap)
+            await shown(pilot, app, seq=snap.seq)
+        tid = SNAPS[2].tasks[0].tid
+        app.query_one(TaskTable).move_to_key(RowKey.thread(tid))
+        await pilot.press("c")
+        await until(pilot, lambda: "since start" in title(pane(app))
+                    and "summing" not in subtitle(pane(app)), "the since-start totals")
+        total = sum(s.offcpu_ns for snap in SNAPS[:3] for s in snap.stacks_of(tid))
+        assert sum(s.offcpu_ns for s in shown_stacks(app)) == total
+        await pilot.press("c")
+        await pilot.pause()
+        assert sum(s.offcpu_ns for s in shown_stacks(app)) == sum(
+            s.offcpu_ns for s in SNAPS[2].stacks_of(tid))
+
+
+async def test_flame_graph_of_the_scope_built_only_while_shown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stacks_pane_module, "FlameTree", CountingFlameTree)
+    CountingFlameTree.built = 0
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        assert CountingFlameTree.built == 0
+        task = SNAPS[0].tasks[0]
+        await pilot.press("f")
+        flame = app.query_one(FlameGraph)
+        await until(pilot, lambda: flame.flame_tree.total_ns > 0, "the flame tree")
+        assert app.focused is flame and pane(app).has_class("-flame")
+        assert flame.flame_tree.title.startswith(f"{task.comm} {task.pid}")
+        assert flame.flame_tree.total_ns == sum(s.offcpu_ns for s in SNAPS[0].stacks_of(task.tid))
+        assert "Flame graph of" in str(flame.border_title)
+        # The filter highlights frames; Enter zooms.
+        await pilot.press("slash", *"nanosleep", "enter")
+        await pilot.pause()
+        assert flame.search_result is not None and flame.search_result.text == "nanosleep"
+        flame.focus()
+        await pilot.press("down", "enter")
+        assert flame.zoom_node != 0
+        built = CountingFlameTree.built
+        # + is the threshold here too (one meaning per key), not a zoom.
+        await pilot.press("plus")
+        assert app.threshold_ns == 200 * MS
+        # Back: no more trees are built, however many snapshots come.
+        await pilot.press("escape", "escape")
+        await pilot.pause()
+        assert pane(app).view == "stacks"
+        for snap in SNAPS[1:3]:
+            app.publish(snap)
+            await shown(pilot, app, seq=snap.seq)
+        assert CountingFlameTree.built == built
+        # Of all tasks: grouped by process.
+        await pilot.press("a", "f")
+        await until(pilot, lambda: flame.flame_tree.group_by == "process", "the whole graph")
+        assert flame.flame_tree.total_ns == SNAPS[2].total_offcpu_ns
+
+
+@pytest.mark.parametrize("fmt", ["folded", "pprof", "speedscope"])
+async def test_the_export_key_writes_the_view_and_says_where(fmt: str, tmp_path: Path) -> None:
+    app = NotedApp(fake_source(), clock=FakeClock(), export_dir=tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        task = SNAPS[0].tasks[0]
+        await pilot.press("w")
+        await pilot.pause()
+        assert isinstance(app.screen, ChoiceScreen)
+        await pilot.press(*["down"] * ["folded", "pprof", "speedscope"].index(fmt), "enter")
+        await until(pilot, lambda: list(tmp_path.iterdir()), "the file")
+        await until(pilot, lambda: any("written to" in n for n in app.noted), "the notification")
+        (path,) = tmp_path.iterdir()
+        note = next(n for n in app.noted if "written to" in n)
+        assert str(path) in note and f"{len(SNAPS[0].stacks_of(task.tid))} stacks" in note
+        data = path.read_bytes()
+        if fmt == "folded":
+            lines = data.decode().splitlines()
+            assert len(lines) == len(SNAPS[0].stacks_of(task.tid))
+            assert all(line.startswith(f"{task.comm};") for line in lines)
+        elif fmt == "pprof":
+            assert path.suffix == ".gz" and gzip.decompress(data)
+        else:
+            doc = json.loads(data)
+            assert doc["$schema"].startswith("https://www.speedscope.app")
+
+
+# --- blocked now ------------------------------------------------------------------------
+
+
+async def test_blocked_now_waits_are_read_from_the_source_and_woken_tasks_said() -> None:
+    src = FakeLiveWaits(SNAPS[:1], realtime=False, info=INFO)
+    app = OfftopApp(src, clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        blocked = app.query_one(BlockedNowTable)
+        first, second = SNAPS[0].blocked_now[0], SNAPS[0].blocked_now[1]
+        assert blocked.tids == [b.tid for b in SNAPS[0].blocked_now]
+        src.waits = {b.tid: b.blocked_ns for b in SNAPS[0].blocked_now}
+        src.waits[first.tid] = 5_500 * MS
+        del src.waits[second.tid]  # ran meanwhile
+        await until(pilot, lambda: "5.50s" in blocked.get_cell(first.tid, "wait").plain,
+                    "the wait read")
+        assert src.asked[-1] == blocked.tids
+        assert "woke" in blocked.get_cell(second.tid, "wait").plain
+        assert "1 woke since" in title(blocked)
+        # Paused: nothing is read.
+        await pilot.press("p")
+        asked = len(src.asked)
+        await pilot.pause(0.6)
+        assert len(src.asked) == asked
+
+
+async def test_blocked_now_waits_never_grow_by_guess() -> None:
+    clock = FakeClock()
+    app = OfftopApp(fake_source(), clock=clock)
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        blocked = app.query_one(BlockedNowTable)
+        first = SNAPS[0].blocked_now[0]
+        assert "1.70s" in blocked.get_cell(first.tid, "wait").plain
+        clock.now += 2.0
+        await pilot.pause(0.6)  # two reads of the (replayed, as recorded) waits
+        assert "1.70s" in blocked.get_cell(first.tid, "wait").plain
+
+
+async def test_blocked_now_enter_opens_its_stack_even_without_a_task_row() -> None:
+    # Blocked since before offtop started: no off-CPU time counted yet, no task row.
+    frames = (Frame("schedule", "kernel", True), Frame("do_nanosleep", "kernel", True))
+    user = (Frame("clock_nanosleep", "libc.so.6"), Frame("napper", "/bin/sleeper"))
+    sleeper = BlockedNow(pid=777, tid=778, comm="sleeper", state="S", blocked_ns=90 * S,
+                         kernel=frames, user=user, before_start=True)
+    snap = dataclasses.replace(SNAPS[0], blocked_now=(sleeper, *SNAPS[0].blocked_now))
+    app = OfftopApp(fake_source(snaps=[snap]), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        assert RowKey.thread(778) not in app.query_one(TaskTable).row_keys_in_order
+        blocked = app.query_one(BlockedNowTable)
+        assert blocked.get_cell(778, "wait").plain.split()[0] == "~1m30s"
+        assert "blocked before offtop started" in subtitle(blocked)
+        blocked.focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.drilled
+        assert "blocked now" in title(pane(app)) and "sleeper 777/778" in title(pane(app))
+        labels = " ".join(tree_labels(app.query_one(CallchainTree)))
+        assert "napper" in labels and "do_nanosleep" in labels
+
+
+# --- long blocks ------------------------------------------------------------------------
 
 
 async def test_long_blocks_are_not_lost_when_snapshots_collapse() -> None:
@@ -367,78 +800,127 @@ async def test_long_blocks_are_not_lost_when_snapshots_collapse() -> None:
             app.publish(s)
         await shown(pilot, app, seq=len(SNAPS))
         log = app.query_one(LongBlocksLog)
-        assert log.total == sum(len(s.long_blocks) for s in SNAPS)
+        assert log.blocks == [b for s in SNAPS for b in s.long_blocks]
+        assert log.seen == sum(len(s.long_blocks) for s in SNAPS)
 
 
-async def test_filter_hides_non_matching_rows() -> None:
+async def test_seen_counts_the_long_blocks_cut_under_a_flood() -> None:
+    flood = with_stats(SNAPS[1], events=25_000, lost=12)
+    app = OfftopApp(fake_source(snaps=[SNAPS[0], flood], n=2), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app, seq=2)
+        log = app.query_one(LongBlocksLog)
+        seen = len(SNAPS[0].long_blocks) + 25_000
+        assert log.seen == seen
+        assert subtitle(log) == (f"{seen:,} seen · newest {len(log.blocks)} listed · 12 lost")
+        assert title(log) == "Long blocks ≥ 100ms"
+
+
+async def test_long_block_enter_opens_its_stack_and_marks_estimates() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
-        table = app.query_one(TaskTable)
-        await pilot.press("slash")
-        assert app.has_class("-filtering")
-        await pilot.press(*"nginx")
+        log = app.query_one(LongBlocksLog)
+        first = SNAPS[0].long_blocks[0]
+        assert first.before_start
+        assert f"~{first.duration_ns // MS}ms" in log.lines[0].text
+        log.focus()
+        await pilot.press("home", "enter")
         await pilot.pause()
-        by_key = {t.key: t for t in SNAPS[0].tasks}
-        keys = table.row_keys_in_order
-        assert keys and all(by_key[k].comm == "nginx" for k in keys)
-        assert len(keys) == sum(1 for t in SNAPS[0].tasks if t.comm == "nginx")
-        # A pid matches too.
-        await pilot.press(*["backspace"] * 5, *str(SNAPS[0].tasks[0].pid))
-        await pilot.pause()
-        assert all(by_key[k].pid == SNAPS[0].tasks[0].pid for k in table.row_keys_in_order)
-        await pilot.press("enter")
-        assert app.focused is table and app.has_class("-filtering")
-        await pilot.press("escape")
-        await pilot.pause()
-        assert not app.has_class("-filtering")
-        assert len(table.row_keys_in_order) == len(SNAPS[0].tasks)
+        assert app.drilled and "long block at" in title(pane(app))
+        assert f"{first.comm} {first.pid}" in title(pane(app))
 
 
-async def test_help_is_built_from_the_bindings() -> None:
+async def test_the_log_and_tables_are_not_laid_out_again_when_only_values_change(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
-        await pilot.press("question_mark")
-        await pilot.pause()
-        screen = app.screen
-        assert isinstance(screen, HelpScreen)
-        lines = dict(screen.lines)
-        shown_keys = {k for keys in lines for k in keys.split(" / ")}
-        for b in OfftopApp.BINDINGS:
-            assert isinstance(b, Binding)
-            assert screen.key_display(b) in shown_keys, b
-            if b.show:
-                assert (b.tooltip or b.description) in lines.values()
-        for key in ("q / ^c", "p / space", "+ / =", "?", "/", "K", "U", "j", "k", "u", "e"):
-            assert key in lines
-        svg = app.export_screenshot().replace("&#160;", " ")
-        assert "Pause / resume the display" in svg and "p / space" in svg
-        await pilot.press("escape")
-        assert not isinstance(app.screen, HelpScreen)
+        layouts: list[str] = []
+        for widget in (app.query_one(LongBlocksLog), app.query_one(TaskTable),
+                       app.query_one(StackTable), app.query_one(BlockedNowTable)):
+            original = widget.refresh
+
+            def spy(*regions: Any, _w: Widget = widget, _o: Any = original,
+                    **kwargs: Any) -> Any:
+                if kwargs.get("layout"):
+                    layouts.append(type(_w).__name__)
+                return _o(*regions, **kwargs)
+
+            monkeypatch.setattr(widget, "refresh", spy)
+        snap = SNAPS[0]
+        for n in range(2, 5):  # the same rows, other values; long blocks arriving
+            tasks = tuple(dataclasses.replace(t, offcpu_ns=t.offcpu_ns // n)
+                          for t in snap.tasks)
+            app.publish(dataclasses.replace(snap, seq=n, tasks=tasks))
+            await shown(pilot, app, seq=n)
+        assert app.query_one(LongBlocksLog).seen == 4 * len(snap.long_blocks)
+        assert layouts == []
 
 
-async def test_slider_keys_write_the_threshold() -> None:
+# --- the threshold ----------------------------------------------------------------------
+
+
+async def test_threshold_keys_write_the_source() -> None:
     src = fake_source()
     app = OfftopApp(src, clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
         await pilot.press("plus")
         await pilot.pause()
-        assert src.threshold_writes == [200_000_000]
+        assert src.threshold_writes == [200 * MS]
         assert "threshold 200ms" in header_text(app)
+        assert title(app.query_one(LongBlocksLog)) == "Long blocks ≥ 200ms"
         app.query_one(ThresholdSlider).focus()
         await pilot.press("right", "right")
         await pilot.pause()
-        assert src.threshold_writes == [200_000_000, 500_000_000, 1_000_000_000]
+        assert src.threshold_writes == [200 * MS, 500 * MS, 1 * S]
         await pilot.press("left", "minus")
         await pilot.pause()
-        assert src.threshold_writes[-2:] == [500_000_000, 200_000_000]
-        assert src.threshold_ns == 200_000_000 == app.threshold_ns
-        assert "threshold 200ms" in header_text(app)
+        assert src.threshold_writes[-2:] == [500 * MS, 200 * MS]
+        assert src.threshold_ns == 200 * MS == app.threshold_ns
+        assert app.query_one(ThresholdInput).value == "200ms"
         await pilot.press("home")
         await pilot.pause()
         assert src.threshold_writes[-1] == 0
+
+
+async def test_plus_never_lowers_a_threshold_given_on_the_command_line() -> None:
+    snap = dataclasses.replace(SNAPS[0], threshold_ns=30 * S)
+    src = fake_source(snaps=[snap])
+    app = OfftopApp(src, clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        assert app.threshold_ns == 30 * S
+        await pilot.press("plus")
+        await pilot.pause()
+        assert src.threshold_writes == [60 * S]  # one step up: a minute, not 10 s
+        app.query_one(ThresholdSlider).focus()
+        await pilot.press("end")
+        await pilot.pause()
+        assert src.threshold_writes[-1] == MAX_THRESHOLD_NS  # the parser's limit: 1 h
+
+
+async def test_the_threshold_can_be_typed() -> None:
+    src = fake_source()
+    app = NotedApp(src, clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        box = app.query_one(ThresholdInput)
+        assert box.value == "100ms"
+        box.focus()
+        await pilot.press(*"250ms+", "backspace", "enter")  # all selected; "+" is text here
+        await pilot.pause()
+        assert src.threshold_writes == [250 * MS]
+        assert "threshold 250ms" in header_text(app)
+        assert app.focused is app.query_one(ThresholdSlider)
+        box.focus()
+        await pilot.press(*"7200s", "enter")
+        await pilot.pause()
+        assert src.threshold_writes == [250 * MS]  # refused: above the limit
+        assert any("too large" in n for n in app.noted)
+        await pilot.press("escape")
+        assert box.value == "250ms"
 
 
 async def test_slider_mouse_click_and_drag() -> None:
@@ -447,78 +929,62 @@ async def test_slider_mouse_click_and_drag() -> None:
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
         slider = app.query_one(ThresholdSlider)
-        await pilot.click(ThresholdSlider, offset=(2, 2))  # left end of the bar
+        await pilot.click(ThresholdSlider, offset=(1, 0))
         await pilot.pause()
         assert src.threshold_writes and src.threshold_writes[-1] < 100_000
-        await pilot.click(ThresholdSlider, offset=(slider.outer_size.width - 3, 2))
+        await pilot.click(ThresholdSlider, offset=(slider.size.width - 1, 0))
         await pilot.pause()
-        assert src.threshold_writes[-1] == 10_000_000_000
+        assert src.threshold_writes[-1] == MAX_THRESHOLD_NS
         assert slider.value_ns == app.threshold_ns == src.threshold_ns
+        assert app.query_one(ThresholdPane).value_ns == MAX_THRESHOLD_NS
 
 
-async def test_threads_processes_toggle() -> None:
+# --- layouts ----------------------------------------------------------------------------
+
+
+async def test_at_80_columns_the_side_panes_go_below() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=(80, 24)) as pilot:
+        await shown(pilot, app)
+        assert app.screen.has_class("-narrow")
+        left, right = app.query_one("#left").region, app.query_one("#right").region
+        assert right.width > 60 and right.y >= left.bottom
+        for widget in (app.query_one(BlockedNowTable), app.query_one(LongBlocksLog),
+                       app.query_one(ThresholdSlider)):
+            assert widget.region.height > 0 and widget.region.width > 20
+        assert app.query_one(TaskTable).width_class == "compact"
+
+
+async def test_at_200_columns_the_tasks_say_where_they_block_and_their_command() -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=(200, 50)) as pilot:
         await shown(pilot, app)
         table = app.query_one(TaskTable)
-        await pilot.press("down")
-        thread = next(t for t in SNAPS[0].tasks if t.key == table.cursor_key)
-        await pilot.press("t")
-        await pilot.pause()
-        assert app.processes
-        assert table.row_keys_in_order == [p.key for p in SNAPS[0].processes]
-        assert table.cursor_key == f"p{thread.pid}"
-        stacks = app.query_one(StackTable)
-        assert stacks.row_count == min(len(SNAPS[0].stacks_of_process(thread.pid)),
-                                       StackTable.MAX_ROWS)
-        await pilot.press("t")
-        await pilot.pause()
-        assert not app.processes
-        assert table.row_keys_in_order == [t.key for t in SNAPS[0].tasks]
+        assert table.width_class == "wide"
+        assert "where" in table.column_keys and "cmd" in table.column_keys
+        py = next(t for t in SNAPS[0].tasks if t.comm == "python3")
+        assert table.get_cell(py.key, "where").plain == "py:Queue.get (queue.py:171)"
+        assert table.get_cell(py.key, "cmd").plain.startswith("/usr/bin/python3 --workers")
+        pg = next(t for t in SNAPS[0].tasks if t.comm == "postgres")
+        assert table.get_cell(pg.key, "where").plain in ("BackgroundWriterMain", "PostgresMain",
+                                                        "WalWriterMain", "WaitEventSetWait",
+                                                        "XLogFlush", "mdread")
 
 
-async def test_all_stacks_view() -> None:
-    app = OfftopApp(fake_source(), clock=FakeClock())
-    async with app.run_test(size=SIZE) as pilot:
-        await shown(pilot, app)
-        await pilot.press("a")
+async def test_small_terminals_degrade_without_crashing() -> None:
+    app = OfftopApp(fake_source(2), clock=FakeClock())
+    async with app.run_test(size=(60, 20)) as pilot:
+        await shown(pilot, app, seq=2)
+        assert app.screen.has_class("-narrow") and app.screen.has_class("-short")
+        await pilot.press("down", "enter", "k", "escape", "t", "s", "a", "f", "f1")
         await pilot.pause()
-        stacks = app.query_one(StackTable)
-        assert stacks.scope == "all"
-        assert stacks.row_count == min(len(SNAPS[0].stacks), StackTable.MAX_ROWS_ALL)
-        tids = {s.tid for s in map(stacks.stack_by_key, stacks.row_keys_in_order) if s}
-        assert len(tids) > 1
-        stacks.focus()
-        await pilot.press("down", "enter")
+        await pilot.press("escape", "escape", "slash", "x", "escape", "plus", "p", "p")
         await pilot.pause()
-        assert app.drilled
-        await pilot.press("a")
-        assert not app.drilled and stacks.scope == "task"
-
-
-async def test_blocked_now_waits_grow_and_enter_selects_the_task() -> None:
-    clock = FakeClock()
-    app = OfftopApp(fake_source(), clock=clock)
-    async with app.run_test(size=SIZE) as pilot:
-        await shown(pilot, app)
-        blocked = app.query_one(BlockedNowTable)
-        first = SNAPS[0].blocked_now[0]
-        assert blocked.row_count == len(SNAPS[0].blocked_now)
-        cell = blocked.get_cell(f"t{first.tid}", "wait")
-        assert "1.70s" in str(cell)
-        clock.now += 2.0
-        # The waits are re-drawn by a timer: give it time on a loaded machine.
-        for _ in range(50):
-            await pilot.pause(0.1)
-            cell = blocked.get_cell(f"t{first.tid}", "wait")
-            if "3.70s" in str(cell):
-                break
-        assert "3.70s" in str(cell)
-        blocked.focus()
-        await pilot.press("enter")
+        await pilot.resize_terminal(40, 10)
         await pilot.pause()
-        assert app.query_one(TaskTable).cursor_key == f"t{first.tid}"
-        assert app.focused is app.query_one(TaskTable)
+        await pilot.resize_terminal(140, 45)
+        await pilot.pause()
+        assert app.query_one("#right").display and not app.screen.has_class("-narrow")
 
 
 async def test_markup_in_comm_is_shown_literally() -> None:
@@ -530,27 +996,64 @@ async def test_markup_in_comm_is_shown_literally() -> None:
         table = app.query_one(TaskTable)
         key = table.cursor_key
         assert key is not None
-        assert table.get_cell(key, "comm").plain == "evil[red]comm"  # type: ignore[union-attr]
-        assert "[red]" in str(app.query_one("#stacks-pane").border_title)
-        svg = app.export_screenshot()
-        assert "evil[red]comm" in svg
+        assert table.get_cell(key, "comm").plain == "evil[red]comm"
+        assert "[red]" in title(pane(app))
+        assert "evil[red]comm" in app.export_screenshot()
 
 
-async def test_small_terminal_degrades_without_crashing() -> None:
-    app = OfftopApp(fake_source(2), clock=FakeClock())
-    async with app.run_test(size=(60, 20)) as pilot:
-        await shown(pilot, app, seq=2)
-        assert app.screen.has_class("-narrow")
-        assert not app.query_one("#right").display or app.query_one("#right").size.width == 0
-        await pilot.press("down", "enter", "k", "escape", "t", "s", "a", "question_mark")
+# --- keys --------------------------------------------------------------------------------
+
+
+async def test_pause_freezes_the_display() -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        border = app.query_one(BlockedNowTable).styles.border_top
+        await pilot.press("p")
+        assert app.paused and app.has_class("-paused")
+        assert app.query_one(BlockedNowTable).styles.border_top != border  # the rule shows it
+        assert "PAUSED" in header_text(app)
+        rows = app.query_one(TaskTable).row_keys_in_order
+        for n, snap in enumerate(SNAPS[1:3], start=2):
+            app.publish(snap)
+            await until(pilot, lambda n=n: app.received >= n, "the snapshot received")
+        assert app.received == 3
+        assert app.snapshot is not None and app.snapshot.seq == 1
+        assert "#1" in header_text(app) and "+2" in header_text(app)
+        assert app.query_one(TaskTable).row_keys_in_order == rows
+        await pilot.press("space")
         await pilot.pause()
-        await pilot.press("escape", "slash", "x", "escape", "plus", "p", "p")
+        assert not app.paused and app.snapshot.seq == 3
+        assert "PAUSED" not in header_text(app) and "#3" in header_text(app)
+        assert app.query_one(LongBlocksLog).seen == sum(len(s.long_blocks) for s in SNAPS[:3])
+
+
+async def test_help_is_built_from_the_bindings() -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        await pilot.press("f1")
         await pilot.pause()
-        await pilot.resize_terminal(40, 10)
-        await pilot.pause()
-        await pilot.resize_terminal(140, 45)
-        await pilot.pause()
-        assert app.query_one("#right").display
+        screen = app.screen
+        assert isinstance(screen, HelpScreen)
+        lines = dict(screen.lines)
+        shown_keys = {k for keys in lines for k in keys.split(" / ")}
+        for b in OfftopApp.BINDINGS:
+            assert isinstance(b, Binding)
+            assert screen.key_display(b) in shown_keys, b
+            if b.show:
+                assert (b.tooltip or b.description) in lines.values()
+        for key in ("q / F10 / ^c", "F1 / ?", "p / space", "+ / =", "/ / F3", "F6", "K", "U",
+                    "F", "f", "i", "m", "c", "w", "j", "k", "e", "x"):
+            assert key in lines, key
+        # One meaning per key: no key is bound twice across the panes' sections.
+        assert "u" not in lines
+        svg = app.export_screenshot().replace("&#160;", " ")
+        assert "Pause / resume the display" in svg and "p / space" in svg
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
 
 
 async def test_command_palette_sorts() -> None:
@@ -566,25 +1069,43 @@ async def test_command_palette_sorts() -> None:
         assert app.query_one(TaskTable).sort_spec.column == "count"
 
 
-async def test_ctrl_c_quits() -> None:
+@pytest.mark.parametrize("key", ["ctrl+c", "f10", "q"])
+async def test_quit_keys(key: str) -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
-        await pilot.press("ctrl+c")
+        await pilot.press(key)
         await pilot.pause()
-        assert app._exit
+        assert app.stopping.is_set() and not app.is_running
 
 
 async def test_sigterm_exits_cleanly() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
-        if signal.SIGTERM not in app._signals:
+        if signal.SIGTERM not in app.signals.installed:
             pytest.skip("signal handlers need the main thread")
         os.kill(os.getpid(), signal.SIGTERM)
-        for _ in range(100):
-            if app._exit:
-                break
-            await pilot.pause(0.01)
-        assert app._exit
-    assert app._stop.is_set()
+        await until(pilot, lambda: not app.is_running, "the app exits")
+    assert app.stopping.is_set() and app.signals.installed == []
+
+
+async def test_replay_sources_give_their_recorded_waits() -> None:
+    src = ReplaySource(SNAPS[:2], realtime=False)
+    assert src.blocked_waits([1]) == {}
+    src.start()
+    stop = threading.Event()
+    src.next_snapshot(1.0, stop)
+    tids = [b.tid for b in SNAPS[0].blocked_now]
+    assert src.blocked_waits(tids[:2]) == {b.tid: b.blocked_ns for b in SNAPS[0].blocked_now[:2]}
+    src.next_snapshot(1.0, stop)
+    assert src.blocked_waits(tids) == {b.tid: b.blocked_ns for b in SNAPS[1].blocked_now}
+
+
+def test_python_frames_and_estimates_in_long_block_lines() -> None:
+    py = (Frame("read", "libc.so.6"), Frame("py:Queue.get (queue.py:171)", "queue.py"))
+    block = LongBlock(1.0, 1, 2, "app", "S", 2 * S, (Frame("pipe_read", "kernel", True),), py,
+                      before_start=True)
+    line = long_block_line(block).plain
+    assert "~2.00s" in line and "k pipe_read ← u read ← py Queue.get (queue.py:171)" in line
+    assert CaptureStats().offtop_rss_bytes == 0

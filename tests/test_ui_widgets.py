@@ -3,8 +3,10 @@ key hints, rendering of untrusted text, and the synthetic data behind the UI tes
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Hashable
+from pathlib import Path
 
 import pytest
 from rich.text import Text
@@ -12,22 +14,51 @@ from textual import events
 from textual.app import App, ComposeResult
 from textual.strip import Strip
 
-from offtop.model import Frame, StackRow, TaskRow
+from offtop.model import (
+    CaptureStats,
+    Frame,
+    LongBlock,
+    RowKey,
+    Snapshot,
+    SnapshotIndex,
+    StackRow,
+    TaskRow,
+)
 from offtop.safe_text import printable
 from offtop.synthetic import synthetic_snapshots
+from offtop.units import MAX_THRESHOLD_NS
+from offtop.widgets.arrivals import Taken
+from offtop.widgets.blocked_now import BlockedNowTable
 from offtop.widgets.callchain_tree import merge_stacks, stack_path
+from offtop.widgets.choice_screen import ChoiceScreen
+from offtop.widgets.header import OfftopHeader, problems_text
 from offtop.widgets.key_bar import KeyBar
 from offtop.widgets.line_table import Column, KeyedRow, KeyedRows, LineTable, layout_columns
-from offtop.widgets.render import chain_summary, frame_text, task_label
+from offtop.widgets.long_blocks_log import LongBlocksLog
+from offtop.widgets.render import (
+    KERNEL_STYLE,
+    MARK_STYLE,
+    PYTHON_STYLE,
+    UNKNOWN_STYLE,
+    USER_STYLE,
+    chain_summary,
+    frame_style,
+    frame_text,
+    task_label,
+)
+from offtop.widgets.stacks_pane import ViewData
 from offtop.widgets.task_table import SortSpec, TaskTable
+from offtop.widgets.threshold_pane import ThresholdInput, ThresholdPane
 from offtop.widgets.threshold_slider import (
     HIGH_NS,
     STEPS,
+    ThresholdSlider,
     cell_of,
     step_down,
     step_up,
     value_at,
 )
+from offtop.widgets.view_export import export_name, write_view
 
 
 class NumberTable(LineTable):
@@ -68,6 +99,7 @@ class TableApp(App[None]):
         super().__init__()
         self.table = table
         self.highlighted: list[str] = []
+        self.moved: list[bool] = []
         self.selected: list[str] = []
         self.headers: list[str] = []
 
@@ -76,6 +108,7 @@ class TableApp(App[None]):
 
     def on_line_table_row_highlighted(self, event: LineTable.RowHighlighted) -> None:
         self.highlighted.append(event.key)
+        self.moved.append(event.moved)
 
     def on_line_table_row_selected(self, event: LineTable.RowSelected) -> None:
         self.selected.append(event.key)
@@ -287,7 +320,7 @@ async def test_task_table_header_click_sorts() -> None:
     app = TableApp(table)
     snap = synthetic_snapshots(1, tasks=30, stacks=60, seed=2)[0]
     async with app.run_test(size=(120, 40)) as pilot:
-        table.show(snap.tasks, snap.interval_s)
+        table.index = SnapshotIndex(snap)
         await pilot.pause()
         header = screen_lines(table)[0]
         await pilot.click(TaskTable, offset=(header.index("COUNT"), 0))
@@ -309,9 +342,10 @@ async def test_untrusted_text_in_a_table_is_literal_and_escaped() -> None:
     row = TaskRow(pid=7, tid=7, comm=evil, offcpu_ns=5, count=1, max_ns=5,
                   state_ns={"S": 5}, total_ns=5)
     async with app.run_test(size=(120, 10)) as pilot:
-        table.show([row], 1.0)
+        table.index = SnapshotIndex(Snapshot(seq=1, time=0.0, interval_s=1.0, threshold_ns=0,
+                                             tasks=(row,)))
         await pilot.pause()
-        assert table.get_cell("t7", "comm").plain == printable(evil) == \
+        assert table.get_cell(RowKey.thread(7), "comm").plain == printable(evil) == \
             "evil[red]\\x1b]0;PWNED\\x07"
         line = table.render_line(1)
         assert "evil[red]\\x1b]…" in line.text  # cut to the column, escaped
@@ -325,10 +359,14 @@ async def test_untrusted_text_in_a_table_is_literal_and_escaped() -> None:
         assert screen_lines(plain)[1].split() == ["a\\x1bb", "[bold]x"]
 
 def test_slider_scale() -> None:
-    assert STEPS[0] == 0 and STEPS[-1] == HIGH_NS == 10_000_000_000
+    # One range, the command line's: the slider never moves a threshold given
+    # there the wrong way (30 s, then +, was 10 s).
+    assert STEPS[0] == 0 and STEPS[-1] == HIGH_NS == MAX_THRESHOLD_NS
     assert list(STEPS) == sorted(set(STEPS))
     assert step_up(0) == 10_000 and step_up(100_000_000) == 200_000_000
     assert step_up(150_000_000) == 200_000_000 and step_up(HIGH_NS) == HIGH_NS
+    assert step_up(30 * 10**9) == 60 * 10**9 and step_down(30 * 10**9) == 10 * 10**9
+    assert all(step_up(ns) > ns for ns in range(0, HIGH_NS, HIGH_NS // 997))
     assert step_down(100_000_000) == 50_000_000 and step_down(10_000) == 0 and step_down(0) == 0
     width = 40
     values = [value_at(c, width) for c in range(width)]
@@ -368,7 +406,7 @@ def test_untrusted_text_is_never_markup() -> None:
     assert frame_text(f, module=True).plain == "u handle[bold]request  lib[x].so"
     chain = chain_summary((Frame("schedule", kernel=True), Frame("pipe_read", kernel=True)),
                           (f,))
-    assert chain.plain == "pipe_read ← handle[bold]request"
+    assert chain.plain == "k pipe_read ← u handle[bold]request"
 
 
 class KeysApp(App[None]):
@@ -408,3 +446,224 @@ def test_synthetic_snapshots_are_deterministic_and_complete() -> None:
     assert any("[" in t.comm for t in a[0].tasks)
     # Waits grow from one snapshot to the next.
     assert a[1].blocked_now[0].blocked_ns > a[0].blocked_now[0].blocked_ns
+
+
+# --- frames: tags and colours ---------------------------------------------------------------
+
+def test_frames_are_tagged_k_u_or_py_and_coloured_by_kind() -> None:
+    kernel = Frame("do_nanosleep", "kernel", True)
+    user = Frame("nanosleep", "libc.so.6")
+    py = Frame("py:Queue.get (queue.py:171)", "/usr/lib/python3.11/queue.py")
+    assert frame_text(kernel).plain == "k do_nanosleep"
+    assert frame_text(user).plain == "u nanosleep"
+    assert frame_text(py).plain == "py Queue.get (queue.py:171)"
+    styles = {frame_style(f) for f in (kernel, user, py)}
+    assert styles == {KERNEL_STYLE, USER_STYLE, PYTHON_STYLE}
+    assert frame_style(Frame("[stack truncated]")) == MARK_STYLE
+    assert frame_style(Frame("libfoo.so+0x1a2b", "libfoo.so")) == UNKNOWN_STYLE
+    chain = chain_summary((kernel,), (user, py, Frame("py:main (app.py:3)", "app.py")))
+    assert chain.plain == "k do_nanosleep ← u nanosleep ← py Queue.get (queue.py:171) ← main (app.py:3)"
+    assert chain_summary((kernel,), (user,), tags=False).plain == "do_nanosleep ← nanosleep"
+
+
+# --- the long-block log ---------------------------------------------------------------------
+
+class LogApp(App[None]):
+    """A long-block log and the blocks it asks to open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_widget = LongBlocksLog()
+        self.chosen: list[LongBlock] = []
+
+    def compose(self) -> ComposeResult:
+        yield self.log_widget
+
+    def on_long_blocks_log_chosen(self, event: LongBlocksLog.Chosen) -> None:
+        self.chosen.append(event.block)
+
+
+def blocks(first: int, n: int) -> list[LongBlock]:
+    return [LongBlock(time=1_700_000_000.0 + i, pid=100, tid=100 + i, comm=f"t{i}", state="S",
+                      duration_ns=(i + 1) * 1_000_000) for i in range(first, first + n)]
+
+
+def log_lines(log: LongBlocksLog) -> list[str]:
+    return [log.render_line(y).text.rstrip() for y in range(log.size.height)]
+
+
+async def test_the_log_follows_the_newest_until_moved_and_counts_all() -> None:
+    app = LogApp()
+    async with app.run_test(size=(60, 5)) as pilot:
+        log = app.log_widget
+        log.arrived = Taken(tuple(blocks(0, 8)), seen=8, lost=0, notices=())
+        await pilot.pause()
+        assert [line.split()[3] for line in log_lines(log)] == ["t3", "t4", "t5", "t6", "t7"]
+        log.focus()
+        await pilot.press("up", "up")  # the cursor moves; the view holds at the end
+        log.arrived = Taken(tuple(blocks(8, 2)), seen=40, lost=3, notices=())
+        await pilot.pause()
+        # Moved away from the newest: new blocks do not scroll the view.
+        assert [line.split()[3] for line in log_lines(log)] == ["t3", "t4", "t5", "t6", "t7"]
+        assert "End: follow" in str(log.border_subtitle)
+        assert log.seen == 48 and log.lost == 3
+        await pilot.press("enter")
+        assert [b.comm for b in app.chosen] == ["t5"]
+        await pilot.press("end")
+        assert [line.split()[3] for line in log_lines(log)][-1] == "t9"
+        assert str(log.border_subtitle) == "48 seen · newest 10 listed · 3 lost"
+        await pilot.press("home", "enter")
+        assert app.chosen[-1].comm == "t0"
+
+
+async def test_the_log_keeps_the_newest_max_lines() -> None:
+    app = LogApp()
+    async with app.run_test(size=(60, 5)) as pilot:
+        log = app.log_widget
+        n = LongBlocksLog.MAX_LINES + 30
+        log.arrived = Taken(tuple(blocks(0, n)), seen=n, lost=0, notices=())
+        await pilot.pause()
+        assert len(log.blocks) == LongBlocksLog.MAX_LINES and log.blocks[0].comm == "t30"
+        log.focus()
+        await pilot.press("home")
+        assert log_lines(log)[0].split()[3] == "t30"
+
+
+# --- the header -----------------------------------------------------------------------------
+
+def test_problems_text_names_every_counted_error() -> None:
+    assert problems_text(CaptureStats()).plain == ""
+    text = problems_text(CaptureStats(drops={"start map full": 1}, truncated_stacks=2,
+                                      symbol_errors={"bad ELF": 3})).plain
+    assert "dropped start map full 1" in text and "2 truncated" in text
+    assert "errors: bad ELF 3" in text
+
+
+class HeaderApp(App[None]):
+    def compose(self) -> ComposeResult:
+        yield OfftopHeader()
+
+
+async def test_the_header_is_laid_out_again_only_when_its_height_changes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    app = HeaderApp()
+    snaps = synthetic_snapshots(3, tasks=10, stacks=20, seed=1)
+    quiet = [dataclasses.replace(s, stats=CaptureStats(interval_s=1.0)) for s in snaps]
+    async with app.run_test(size=(120, 5)) as pilot:
+        header = app.query_one(OfftopHeader)
+        layouts: list[bool] = []
+        original = header.refresh
+
+        def spy(*regions: object, **kwargs: bool) -> object:
+            layouts.append(bool(kwargs.get("layout")))
+            return original(*regions, **kwargs)
+
+        monkeypatch.setattr(header, "refresh", spy)
+        header.index = SnapshotIndex(quiet[0])
+        header.index = SnapshotIndex(quiet[1])
+        await pilot.pause()
+        assert not any(layouts) and header.size.height == 2
+        header.index = SnapshotIndex(snaps[2])  # errors to say: a third line
+        await pilot.pause()
+        assert any(layouts) and header.size.height == 3
+
+
+# --- the threshold pane, menus --------------------------------------------------------------
+
+class ThresholdApp(App[None]):
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def compose(self) -> ComposeResult:
+        yield ThresholdPane(500_000_000)
+
+    def on_threshold_pane_changed(self, event: ThresholdPane.Changed) -> None:
+        self.asked.append(event.value_ns)
+
+
+async def test_the_threshold_pane_takes_typed_durations_and_slider_moves() -> None:
+    app = ThresholdApp()
+    async with app.run_test(size=(46, 6)) as pilot:
+        box = app.query_one(ThresholdInput)
+        assert box.value == "500ms"
+        box.focus()
+        await pilot.press(*"1.5", "enter")  # a bare number is ms
+        assert app.asked == [1_500_000]
+        box.focus()
+        await pilot.press(*"oops", "escape")
+        assert box.value == "500ms" and app.asked == [1_500_000]
+        await pilot.press("right")  # Esc left the focus on the slider
+        assert app.asked[-1] == 1_000_000_000
+        app.query_one(ThresholdPane).value_ns = 42_000_000
+        await pilot.pause()
+        assert box.value == "42.0ms" and app.query_one(ThresholdSlider).value_ns == 42_000_000
+
+
+class MenuApp(App[None]):
+    def __init__(self) -> None:
+        super().__init__()
+        self.picked: list[str | None] = []
+
+    def on_mount(self) -> None:
+        self.push_screen(ChoiceScreen("Pick", [("a", "first"), ("b", "second")], current="b"),
+                         self.picked.append)
+
+
+async def test_a_choice_menu_returns_the_choice_or_none() -> None:
+    app = MenuApp()
+    async with app.run_test() as pilot:
+        await pilot.press("enter")
+        assert app.picked == ["b"]
+        app.push_screen(ChoiceScreen("Pick", [("a", "first")]), app.picked.append)
+        await pilot.pause()
+        await pilot.press("escape")
+        assert app.picked == ["b", None]
+
+
+# --- the tables' own logic --------------------------------------------------------------
+
+async def test_a_refresh_under_the_cursor_is_not_a_move() -> None:
+    app = TableApp(NumberTable())
+    async with app.run_test(size=(40, 10)) as pilot:
+        table = app.table
+        table.sync_rows([("a", ("a", 1)), ("b", ("b", 2))])
+        await pilot.pause()
+        table.sync_rows([("b", ("b", 2)), ("a", ("a", 1))])  # re-sorted: b under the cursor
+        await pilot.pause()
+        table.focus()
+        await pilot.press("down")
+        assert app.moved == [False, False, True]
+
+
+async def test_blocked_now_rows_of_woken_threads_say_so() -> None:
+    snap = synthetic_snapshots(1, tasks=20, stacks=40, seed=3)[0]
+    table = BlockedNowTable()
+    app = TableApp(table)
+    async with app.run_test(size=(50, 20)) as pilot:
+        table.index = SnapshotIndex(snap)
+        await pilot.pause()
+        first, *rest = table.tids
+        table.refresh_waits({tid: 7_000_000_000 for tid in rest})
+        assert "woke" in table.get_cell(first, "wait").plain
+        assert all("7.00s" in table.get_cell(tid, "wait").plain for tid in rest)
+        assert str(table.border_title) == f"Blocked now ({len(table.tids)}) · 1 woke since"
+
+
+def test_written_views_never_overwrite_nor_follow_links(tmp_path: Path) -> None:
+    snap = synthetic_snapshots(1, tasks=10, stacks=20, seed=4)[0]
+    view = ViewData(snap.stacks, "all tasks", snap.time - 1, snap.time, True, False)
+    first = write_view(view, "folded", tmp_path)
+    second = write_view(view, "folded", tmp_path)
+    assert first != second and first.read_bytes() == second.read_bytes()
+    lines = first.read_text().splitlines()
+    # comm, then the outermost kernel frame: no user frame in between.
+    assert lines and {line.split(";")[1] for line in lines} <= {
+        "entry_SYSCALL_64_after_hwframe", "asm_exc_page_fault"}
+    assert not any(";main;" in line or ";start_thread;" in line for line in lines)  # user: off
+    target = tmp_path / "target"
+    target.write_text("precious")
+    name = export_name(view, "pprof")
+    (tmp_path / name).symlink_to(target)
+    written = write_view(view, "pprof", tmp_path)
+    assert written.name != name and target.read_text() == "precious"

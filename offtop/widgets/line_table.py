@@ -292,13 +292,16 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
     CELL_PADDING: ClassVar[int] = 1
 
     class RowHighlighted(Message):
-        """The row under the cursor is another row (by key) than before."""
+        """The row under the cursor is another row (by key) than before:
+        the cursor moved (`moved`), or other rows came under it (a refresh)."""
 
-        def __init__(self, table: LineTable[Any], key: Hashable, index: int) -> None:
+        def __init__(self, table: LineTable[Any], key: Hashable, index: int,
+                     moved: bool = True) -> None:
             super().__init__()
             self.table = table
             self.key = key
             self.index = index
+            self.moved = moved
 
         @property
         def control(self) -> LineTable[Any]:
@@ -437,7 +440,7 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
                 index = self._rows.index(key)
                 if index is not None:
                     self._refresh_row(index)
-        self._announce()
+        self._announce(moved=False)
 
     def _place_cursor(self) -> None:
         """After a sync: the same key if following it, else the same position."""
@@ -481,11 +484,11 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
         self.move_cursor(index, scroll=scroll)
         return True
 
-    def _announce(self) -> None:
+    def _announce(self, *, moved: bool = True) -> None:
         key = self.cursor_key
         if key is not None and key != self._highlighted:
             self._highlighted = key
-            self.post_message(self.RowHighlighted(self, key, self._cursor))
+            self.post_message(self.RowHighlighted(self, key, self._cursor, moved))
 
     def _cursor_shown(self) -> bool:
         return self.show_cursor and (self.has_focus or not self.CURSOR_FOCUS_ONLY)

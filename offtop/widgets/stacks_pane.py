@@ -176,13 +176,16 @@ class StacksPane(ContentSwitcher):
 
     # --- what the app asks --------------------------------------------------
 
-    def select(self, key: RowKey | None) -> None:
-        """The task table's cursor is on `key`: show its stacks (unless all tasks')."""
+    def select(self, key: RowKey | None, *, moved: bool = True) -> None:
+        """The task table's cursor is on `key`: show its stacks (unless all
+        tasks'). An open tree or flame graph follows when the user `moved`
+        the cursor, not when a refresh brought another task under it."""
         if key == self.selected:
             return
         self.selected = key
-        if self.view != "stacks" and not self.all_tasks and self.opened.kind == "task":
-            self.opened = Scope.task(key)  # the open tree or graph follows the cursor
+        if (moved and self.view != "stacks" and not self.all_tasks
+                and self.opened.kind == "task"):
+            self.opened = Scope.task(key)
         self._refresh()
 
     def open(self, scope: Scope, *, view: View = "tree", focus: Path | None = None) -> None:

@@ -9,7 +9,7 @@ the app about the task under the cursor with typed messages (`RowKey`s).
 As in htop the cursor keeps its row *position* across refreshes and re-sorts;
 with `follow_task` (htop's F) it keeps its task instead, and that task stays
 listed (with zero time) while it has nothing to report. The columns follow
-the table's own width: fewer below 90 cells; from 150 on, the frame each task
+the table's own width: fewer below 90 cells; from 134 on, the frame each task
 is blocked in and its command line.
 """
 
@@ -87,7 +87,7 @@ _DEFAULT_REVERSE = dict(SORT_CYCLE)
 #: Table widths below which the S and D columns go, and from which the
 #: BLOCKED IN and COMMAND columns come.
 COMPACT_BELOW = 90
-WIDE_FROM = 150
+WIDE_FROM = 134
 
 
 def _sort_value(column: str, processes: bool) -> Callable[[Row], Any]:
@@ -145,12 +145,14 @@ class TaskTable(LineTable[RowKey]):
     """Keep the cursor on its task across refreshes (htop's F), not on its row."""
 
     class TaskHighlighted(Message):
-        """The cursor is on another task."""
+        """The cursor is on another task: moved there (`moved`), or the
+        rows changed under it (a refresh, a re-sort)."""
 
-        def __init__(self, table: TaskTable, key: RowKey) -> None:
+        def __init__(self, table: TaskTable, key: RowKey, moved: bool) -> None:
             super().__init__()
             self.table = table
             self.key = key
+            self.moved = moved
 
     class TaskChosen(Message):
         """Enter on a task (or a second click)."""
@@ -182,8 +184,8 @@ class TaskTable(LineTable[RowKey]):
             widths = [(k, 12 if k == "comm" else w) for k, w in widths if k not in ("s", "d")]
         cols = [Column(k, self._title(k), w) for k, w in widths]
         if self.width_class == "wide":
-            cols += [Column("where", WIDE_TITLES["where"], 28),
-                     Column("cmd", WIDE_TITLES["cmd"], 20, flex=True)]
+            cols += [Column("where", WIDE_TITLES["where"], 24),
+                     Column("cmd", WIDE_TITLES["cmd"], 16, flex=True)]
         return cols
 
     def _title(self, key: str) -> str:
@@ -375,7 +377,7 @@ class TaskTable(LineTable[RowKey]):
         """Tell the app which task is under the cursor now."""
         event.stop()
         if isinstance(event.key, RowKey) and event.key == self.cursor_key:
-            self.post_message(self.TaskHighlighted(self, event.key))
+            self.post_message(self.TaskHighlighted(self, event.key, event.moved))
 
     def on_line_table_row_selected(self, event: LineTable.RowSelected) -> None:
         """Enter: ask the app to open the task's callchains."""
