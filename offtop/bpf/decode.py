@@ -187,8 +187,6 @@ class AggKey(ct.Structure):
         ("state", ct.c_uint32),
         ("waker_tgid", ct.c_uint32),
         ("waker_tid", ct.c_uint32),
-        ("waker_ustack", ct.c_int32),
-        ("waker_kstack", ct.c_int32),
         ("waker_what", ct.c_uint32),
     ]
 
@@ -202,6 +200,8 @@ class AggValue(ct.Structure):
         ("count", ct.c_uint64),
         ("comm", ct.c_char * 16),
         ("waker_comm", ct.c_char * 16),
+        ("waker_ustack", ct.c_int32),
+        ("waker_kstack", ct.c_int32),
     ]
 
 

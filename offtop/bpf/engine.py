@@ -73,15 +73,36 @@ __all__ = ["BpfSource", "EngineConfig", "EngineError"]
 MAX_THRESHOLD_NS = 1 << 62
 
 # A raw key of summed events, stacks still ids: (tgid, tid, state, ustack, kstack,
-# waker tgid, waker tid, waker ustack, waker kstack, waker what).
-_RawKey = tuple[int, int, int, int, int, int, int, int, int, int]
+# waker tgid, waker tid, waker what).
+_RawKey = tuple[int, int, int, int, int, int, int, int]
+
+
+@dataclass(slots=True)
+class _Row:
+    """One raw key's sums over an interval, and its stacks resolved at first sight."""
+
+    total: int
+    count: int
+    max_ns: int
+    comm: bytes
+    kernel: tuple[Frame, ...]
+    user: tuple[Frame, ...]
+    before: bool
+    waker: Waker | None
 
 
 @dataclass(slots=True)
 class _Interval:
-    """What accumulates between two snapshots (resolved at each sub-tick)."""
+    """What accumulates between two snapshots.
 
-    samples: list[Sample] = field(default_factory=list)
+    The probe's rows are summed here by their raw key (ids, not frames)
+    over the whole interval; a key's stacks are resolved the first time it
+    is seen in the interval (at a sub-tick, while its process lives), and
+    samples are made once, at the snapshot: the work grows with the keys
+    that were active, not with how often each was drained.
+    """
+
+    rows: dict[tuple[int, ...], _Row] = field(default_factory=dict)
     long_blocks: deque[LongBlock] = field(default_factory=deque)
     events: int = 0
     notices: list[str] = field(default_factory=list)
@@ -351,16 +372,22 @@ class BpfSource:
         if len(self._durations) < 65_536:  # for flood control: the rate's make-up
             self._durations.extend(r[1] for r in raw)
         watch = self.targets
-        for _end, delta, _cg, tgid, tid, us, ks, st, _cpu, comm, *waker in raw:
-            key = (tgid, tid, st, us, ks, *waker[:5])
+        # Summed by who they are and who woke them; the waker's stacks (which
+        # for an interrupt run through whatever it interrupted) are those of
+        # the latest such block.
+        for _end, delta, _cg, tgid, tid, us, ks, st, _cpu, comm, wt, wtid, wus, wks, what, _pad, \
+                wcomm in raw:
+            key = (tgid, tid, st, us, ks, wt, wtid, what)
             a = acc.get(key)
             if a is None:
-                acc[key] = [delta, 1, delta, comm, waker[6]]
+                acc[key] = [delta, 1, delta, comm, wcomm, wus, wks]
             else:
                 a[0] += delta
                 a[1] += 1
                 if delta > a[2]:
                     a[2] = delta
+                a[5] = wus
+                a[6] = wks
         if watch.gone_pids or watch.gone_tids:
             for key in [k for k in acc if not watch.accepts(k[0], k[1])]:
                 del acc[key]
@@ -380,17 +407,30 @@ class BpfSource:
         self._control_flood(now)
         self._check_targets()
         iv = self._interval
-        for row in self.probe.drain_aggregates():
-            tgid, tid, st, us, ks, total, count, mx, comm, waker = row
-            if self.targets.accepts(tgid, tid):
-                iv.samples.append(self._sample(tgid, tid, st, us, ks, total, count, mx, comm,
-                                               waker, False, deadline))
+        rows = iv.rows
+        accepts = self.targets.accepts
+        for tgid, tid, st, us, ks, total, count, mx, comm, waker in self.probe.drain_aggregates():
+            key = (tgid, tid, st, us, ks, waker[0], waker[1], waker[4], 0)
+            row = rows.get(key)
+            if row is not None:
+                row.total += total
+                row.count += count
+                if mx > row.max_ns:
+                    row.max_ns = mx
+            elif accepts(tgid, tid):
+                rows[key] = self._new_row(key, total, count, mx, comm, waker, deadline)
         if self._event_acc:
-            for key, (tot, cnt, mx, comm, wcomm) in self._event_acc.items():
-                tgid, tid, st, us, ks, wt, wtid, wus, wks, what = key
-                waker = (wt, wtid, wus, wks, what, wcomm)
-                iv.samples.append(self._sample(tgid, tid, st, us, ks, tot, cnt, mx, comm,
-                                               waker, True, deadline))
+            for ekey, (tot, cnt, mx, comm, wcomm, wus, wks) in self._event_acc.items():
+                key = (*ekey, 1)
+                row = rows.get(key)
+                if row is not None:
+                    row.total += tot
+                    row.count += cnt
+                    if mx > row.max_ns:
+                        row.max_ns = mx
+                else:
+                    waker = (ekey[5], ekey[6], wus, wks, ekey[7], wcomm)
+                    rows[key] = self._new_row(key, tot, cnt, mx, comm, waker, deadline)
             self._event_acc = {}
         if self._event_tail:
             wall = self._mono_to_wall
@@ -442,16 +482,24 @@ class BpfSource:
             start = self._starts[pid] = task_start_time(pid) or 0
         return start
 
-    def _sample(self, tgid: int, tid: int, st: int, us: int, ks: int, total: int,
-                count: int, mx: int, comm: bytes, waker: RawWaker, from_event: bool,
-                deadline: float) -> Sample:
+    def _new_row(self, key: tuple[int, ...], total: int, count: int, mx: int, comm: bytes,
+                 waker: RawWaker, deadline: float) -> _Row:
+        tgid, tid, st, us, ks = key[:5]
         kernel, user, before = self._frames_of(tgid, tid, st, us, ks, deadline)
-        return Sample(
-            pid=tgid, tid=tid, comm=decode_comm(comm), state=state_name(st),
-            offcpu_ns=int(total), count=int(count), max_ns=int(mx),
-            kernel=kernel, user=user, from_event=from_event, start=self._start_of(tgid),
-            before_start=before, waker=self._waker(waker, deadline),
-        )
+        return _Row(total, count, mx, comm, kernel, user, before, self._waker(waker, deadline))
+
+    def _samples(self, rows: dict[tuple[int, ...], _Row]) -> list[Sample]:
+        """The interval's summed rows as the model's samples (once per key)."""
+        out = []
+        for key, r in rows.items():
+            tgid, tid, st = key[0], key[1], key[2]
+            out.append(Sample(
+                pid=tgid, tid=tid, comm=decode_comm(r.comm), state=state_name(st),
+                offcpu_ns=r.total, count=r.count, max_ns=r.max_ns, kernel=r.kernel,
+                user=r.user, from_event=bool(key[-1]), start=self._start_of(tgid),
+                before_start=r.before, waker=r.waker,
+            ))
+        return out
 
     def _waker(self, raw: RawWaker, deadline: float) -> Waker | None:
         """The model's Waker of a raw one (None: not recorded)."""
@@ -637,7 +685,7 @@ class BpfSource:
             drops=drops,
             truncated_stacks=st.truncated,
             symbol_misses=usyms.misses if usyms else 0,
-            agg_entries=len(iv.samples),
+            agg_entries=len(iv.rows),
             stacks_used=self.stacks.used,
             stacks_capacity=self.config.stack_entries + self.config.ustack_entries,
             stacks_reclaimed=st.reclaimed,
@@ -658,7 +706,7 @@ class BpfSource:
             usyms.evict()
         self.stacks.trim()
         return self.aggregator.build(
-            iv.samples,
+            self._samples(iv.rows),
             time=time.time(),
             interval_s=elapsed,
             threshold_ns=self._user_threshold_ns,

@@ -146,11 +146,9 @@ struct agg_key {
     s32 ustack;
     s32 kstack;
     u32 state;
-    u32 waker_tgid;
-    u32 waker_tid;
-    s32 waker_ustack;
-    s32 waker_kstack;
-    u32 waker_what;
+    u32 waker_tgid;     // who woke these blocks; their stacks are in agg_val:
+    u32 waker_tid;      // keyed by them, interrupts (whose stacks run through
+    u32 waker_what;     // whatever they interrupted) would split every row
 };
 
 // Mirrored by decode.AggValue.
@@ -160,6 +158,8 @@ struct agg_val {
     u64 count;
     char comm[16];
     char waker_comm[16];
+    s32 waker_ustack;   // the waker's stacks at the latest of these blocks
+    s32 waker_kstack;
 };
 
 // Mirrored by decode.OffcpuEvent.
@@ -672,8 +672,9 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
             }
             if (a->tid == tid && a->state == s.state && a->ustack == s.ustack &&
                 a->kstack == s.kstack && a->w.tid == s.w.tid && a->w.tgid == s.w.tgid &&
-                a->w.what == s.w.what && a->w.ustack == s.w.ustack &&
-                a->w.kstack == s.w.kstack) {
+                a->w.what == s.w.what) {
+                a->w.ustack = s.w.ustack;
+                a->w.kstack = s.w.kstack;
                 a->total_ns += delta;
                 a->count += 1;
                 if (delta > a->max_ns)
@@ -691,8 +692,6 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
     key.state = s.state;
     key.waker_tgid = s.w.tgid;
     key.waker_tid = s.w.tid;
-    key.waker_ustack = s.w.ustack;
-    key.waker_kstack = s.w.kstack;
     key.waker_what = s.w.what;
 
     struct agg_val *val;
@@ -721,6 +720,8 @@ static __always_inline void on_switch_in(void *args, u32 tid, const char *next_c
     }
     val->total_ns += delta;
     val->count += 1;
+    val->waker_ustack = s.w.ustack;
+    val->waker_kstack = s.w.kstack;
     if (delta > val->max_ns)
         val->max_ns = delta;
 }

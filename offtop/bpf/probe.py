@@ -240,7 +240,7 @@ class Probe:
         time.sleep(0.0005)
         for k, v in self._table(f"offcpu_agg{old & 1}").items_lookup_and_delete_batch():
             yield (k.tgid, k.tid, k.state, k.ustack, k.kstack, v.total_ns, v.count, v.max_ns,
-                   bytes(v.comm), (k.waker_tgid, k.waker_tid, k.waker_ustack, k.waker_kstack,
+                   bytes(v.comm), (k.waker_tgid, k.waker_tid, v.waker_ustack, v.waker_kstack,
                                    k.waker_what, bytes(v.waker_comm)))
         assert self._acc_mm is not None
         for a in generation_sums(self._acc_mm, self.config.start_entries, old):

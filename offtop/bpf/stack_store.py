@@ -61,6 +61,9 @@ class StackStats:
 class StackStore:
     """Frames of stack ids, cached; ids freed when unused (see module docstring)."""
 
+    #: Frames that did not all resolve are looked at again after this many intervals.
+    RETRY_INTERVALS = 5
+
     def __init__(
         self,
         maps: StackMaps,
@@ -83,6 +86,7 @@ class StackStore:
         self._max_cached = max_cached
         self._last_use: dict[tuple[str, int], int] = {}
         self._frames: dict[tuple[str, int, int, int], tuple[Frame, ...]] = {}
+        self._retry: dict[tuple[str, int, int, int], int] = {}  # key -> interval to look again
         self._seq = 0
         self.stats = StackStats()
 
@@ -134,7 +138,10 @@ class StackStore:
         key = ("u", sid, pid, start)
         frames = self._frames.get(key)
         if frames is not None:
-            return frames
+            retry = self._retry.get(key)
+            if retry is None or self._seq < retry:
+                return frames
+            del self._retry[key]
         addrs = self._maps.stack("u", sid)
         if not addrs:
             return ()
@@ -154,8 +161,11 @@ class StackStore:
         if at_limit and not cut:
             frames = (*frames, Frame(name=MARK_DEPTH_LIMIT))
             self.stats.depth_limited += 1
-        if complete:  # a miss may resolve later (a library not read yet, a time budget)
-            self._frames[key] = frames
+        self._frames[key] = frames
+        if not complete:
+            # A miss may resolve later (a library not read yet, a time
+            # budget): look again in a few intervals, not at every use.
+            self._retry[key] = self._seq + self.RETRY_INTERVALS
         return frames
 
     def reclaim(self, live: set[tuple[str, int]]) -> None:
@@ -189,6 +199,7 @@ class StackStore:
         if victims:
             gone = set(victims)
             self._frames = {k: v for k, v in self._frames.items() if (k[0], k[1]) not in gone}
+            self._retry = {k: v for k, v in self._retry.items() if (k[0], k[1]) not in gone}
             self.stats.reclaimed += len(victims)
 
     def _half_full(self) -> set[str]:
@@ -202,3 +213,4 @@ class StackStore:
         """Bound the frame cache (called once per interval)."""
         if len(self._frames) > self._max_cached:
             self._frames.clear()
+            self._retry.clear()
