@@ -53,7 +53,6 @@ from run import (
     RESULTS,
     ROOT,
     TIMES,
-    TRACER_CPU,
     Background,
     BenchError,
     Dist,
@@ -253,6 +252,8 @@ class Tool(Protocol):
 
     def alive(self) -> bool: ...
 
+    def first_data_at(self) -> float | None: ...
+
     def stop(self) -> None: ...
 
 
@@ -307,12 +308,12 @@ class OfftopBatch:
 
     name = "batch"
 
-    def __init__(self, code: Code, args: Sequence[str] = ()) -> None:
+    def __init__(self, code: Code, cpus: str | None, args: Sequence[str] = ()) -> None:
         self.started_at = time.monotonic()
         self._err = (OUT / "busy-offtop-batch.stderr").open("wb")
+        pin = ["taskset", "-c", cpus] if cpus else []
         self.proc = subprocess.Popen(
-            ["taskset", "-c", TRACER_CPU, PY, "-m", "offtop.cli", "--batch", "--format", "json",
-             "--interval", "1", *args],
+            [*pin, PY, "-m", "offtop.cli", "--batch", "--format", "json", "--interval", "1", *args],
             stdout=subprocess.PIPE, stderr=self._err, cwd=code.cwd, env={**os.environ, **dict(code.env)},
             start_new_session=True)
         self.pid = self.proc.pid
@@ -335,6 +336,9 @@ class OfftopBatch:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def first_data_at(self) -> float | None:
+        return self.first_line_at
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -356,9 +360,16 @@ class InTmux:
         self.started_at = time.monotonic()
         self.session = session()
         self.pid = self.session.pid
+        self._first: float | None = None if name == "tui" else self.started_at
 
     def alive(self) -> bool:
         return self.session.alive()
+
+    def first_data_at(self) -> float | None:
+        """offtop's TUI: when its header first showed a snapshot number (#N); others: at launch."""
+        if self._first is None and _seq_of(self.screen()):
+            self._first = time.monotonic()
+        return self._first
 
     def screen(self) -> str:
         return self.session.screen()
@@ -372,9 +383,10 @@ class TopBatch:
 
     name = "top"
 
-    def __init__(self) -> None:
+    def __init__(self, cpus: str | None) -> None:
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(["taskset", "-c", TRACER_CPU, "top", "-b", "-d", "1"],
+        pin = ["taskset", "-c", cpus] if cpus else []
+        self.proc = subprocess.Popen([*pin, "top", "-b", "-d", "1"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         self.pid = self.proc.pid
@@ -382,21 +394,25 @@ class TopBatch:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def first_data_at(self) -> float | None:
+        return self.started_at
+
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 
 
-def start_tool(name: str, code: Code) -> Tool:
+def start_tool(name: str, code: Code, cpus: str | None) -> Tool:
     if name == "batch":
-        return OfftopBatch(code)
+        return OfftopBatch(code, cpus)
     if name == "tui":
-        return InTmux("tui", lambda: TuiSession(["--interval", "1"], cwd=code.cwd, env=dict(code.env)))
+        return InTmux("tui", lambda: TuiSession(["--interval", "1"], cwd=code.cwd, env=dict(code.env),
+                                                cpus=cpus))
     if name == "htop":
-        return InTmux("htop", lambda: TmuxSession(["htop", "-d", "10"], "htop"))
+        return InTmux("htop", lambda: TmuxSession(["htop", "-d", "10"], "htop", cpus=cpus))
     if name == "top":
-        return TopBatch()
+        return TopBatch(cpus)
     raise BenchError(f"unknown tool {name}")
 
 
@@ -419,12 +435,34 @@ def _seq_of(screen: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def measure(tool: Tool, load: Load, warmup: float, seconds: float, tag: str) -> dict[str, Any]:
-    """CPU, RSS and peak RSS of `tool` over `seconds`, `warmup` seconds after it started."""
-    while time.monotonic() < tool.started_at + warmup:
+class WindowFailed(BenchError):
+    """One tool's window could not be measured: it exited, or showed no data in time."""
+
+
+def warm_up(tool: Tool, warmup: float, start_timeout: float) -> float:
+    """Wait for the tool's first data, then `warmup` s more. Returns launch to first data, in s.
+
+    Counting the warm-up from the first data keeps a slow start-up (a bcc
+    compile on a starved CPU can take tens of seconds) out of the window.
+    """
+    end = tool.started_at + start_timeout
+    while (first := tool.first_data_at()) is None:
         if not tool.alive():
-            raise BenchError(f"{tool.name} exited during its warm-up")
+            raise WindowFailed(f"{tool.name} exited before showing any data")
+        if time.monotonic() > end:
+            raise WindowFailed(f"{tool.name} showed no data within {start_timeout:.0f} s of launch")
+        time.sleep(0.25)
+    while time.monotonic() < first + warmup:
+        if not tool.alive():
+            raise WindowFailed(f"{tool.name} exited during its warm-up")
         time.sleep(0.2)
+    return first - tool.started_at
+
+
+def measure(tool: Tool, load: Load, plan: Plan, tag: str) -> dict[str, Any]:
+    """CPU, RSS and peak RSS of `tool` over a window that starts a warm-up after its first data."""
+    seconds = plan.seconds
+    first_data_s = warm_up(tool, plan.warmup, plan.start_timeout)
     # Before its first snapshot the TUI shows no #N: none shown yet.
     seq0 = (_seq_of(tool.screen()) or 0) if isinstance(tool, InTmux) and tool.name == "tui" else None
     a, m0 = load.sample(), machine_switches()
@@ -433,7 +471,7 @@ def measure(tool: Tool, load: Load, warmup: float, seconds: float, tag: str) -> 
     while (now := time.monotonic()) < t0 + seconds:
         time.sleep(min(1.0, t0 + seconds - now))
         if not tool.alive():
-            raise BenchError(f"{tool.name} exited during its measured window")
+            raise WindowFailed(f"{tool.name} exited during its measured window")
         rss.append(rss_mb(tool.pid))
     k1, t1 = cpu_ticks(tool.pid), time.monotonic()
     m1, b = machine_switches(), load.sample()
@@ -444,13 +482,14 @@ def measure(tool: Tool, load: Load, warmup: float, seconds: float, tag: str) -> 
         "load": load_rates(a, b),
         "machine_switches_per_s": (m1 - m0) / (t1 - t0),
         "foreign_load_threads": sum(n for _, n in foreign_loads(load.pids())),
+        "first_data_s": first_data_s,
     }
     if isinstance(tool, InTmux):
         screen = tool.screen()
         (OUT / f"busy-{tag}.screen.txt").write_text(screen)
         if tool.name == "tui":
-            seq1 = _seq_of(screen)
-            if seq0 is not None and seq1 is not None:
+            seq1 = _seq_of(screen) or 0
+            if seq0 is not None:
                 out["snapshots_per_s"] = (seq1 - seq0) / (t1 - t0)
             out["header"] = "\n".join(screen.splitlines()[:2])
     if isinstance(tool, OfftopBatch):
@@ -463,7 +502,6 @@ def measure(tool: Tool, load: Load, warmup: float, seconds: float, tag: str) -> 
         out["switches_seen_per_s"] = [ln.stats["switches_per_s"] for ln in inside
                                       if ln.stats.get("probe_runs")]
         out["lost"] = sum(ln.stats.get("lost", 0) for ln in inside)
-        out["first_line_s"] = (tool.first_line_at - tool.started_at) if tool.first_line_at else None
         out["_window_line"] = tool.last if inside else b""
         out["_load_pids"] = load.pids()
     return out
@@ -502,11 +540,14 @@ class Plan:
     settle: float
     code: Code
     load_cpus: str | None
+    tool_cpus: str | None
     wait_foreign: float
+    start_timeout: float
 
     def where(self) -> str:
-        pin = f"CPUs {self.load_cpus}" if self.load_cpus else "any CPU"
-        return f"the load on {pin}, each tool on CPU {TRACER_CPU}; offtop: {self.code.version}"
+        load = f"CPUs {self.load_cpus}" if self.load_cpus else "any CPU"
+        tool = f"CPUs {self.tool_cpus}" if self.tool_cpus else "any CPU"
+        return f"the load on {load}, each tool on {tool}; offtop: {self.code.version}"
 
 
 def run_busy(plan: Plan) -> tuple[dict[str, Any], str]:
@@ -523,22 +564,41 @@ def run_busy(plan: Plan) -> tuple[dict[str, Any], str]:
         time.sleep(plan.settle)  # the pacing settles, the first workers start to exit
         for r, order in rotations(list(plan.tools), plan.runs):
             for name in order:
-                tool = start_tool(name, plan.code)
+                tool = start_tool(name, plan.code, plan.tool_cpus)
                 try:
-                    w = measure(tool, load, plan.warmup, plan.seconds, f"{name}-{r + 1}")
+                    w = measure(tool, load, plan, f"{name}-{r + 1}")
+                except WindowFailed as e:
+                    w = {"failed": f"{e}{failure_detail(tool)}"}
+                    say(f"  {name}: {w['failed']}")
                 finally:
                     tool.stop()
                 line, pids = w.pop("_window_line", b""), w.pop("_load_pids", set())
                 if line:
                     censuses.append(census(line, pids))
-                windows[name].append(w)
+                windows[name].append({"round": r, **w})
                 time.sleep(1.0)
-            say(f"  round {r + 1}: " + "  ".join(
-                f"{n}={windows[n][-1]['cpu_pct']:.1f}%/{windows[n][-1]['rss_mb']:.0f}MB" for n in plan.tools)
-                + f"  load {windows[plan.tools[0]][-1]['load']['blocks_per_s']:.0f} blocks/s")
+            say(f"  round {r + 1}: " + "  ".join(f"{n}={_brief(windows[n][-1])}" for n in plan.tools))
     finally:
         load.stop()
     return summarize(plan, windows, censuses, load.paths)
+
+
+def failure_detail(tool: Tool) -> str:
+    """What the tool said as it failed: offtop batch's stderr, a TUI's screen."""
+    text = ""
+    if isinstance(tool, OfftopBatch):
+        tool._err.flush()
+        text = (OUT / "busy-offtop-batch.stderr").read_text(errors="replace")
+    elif isinstance(tool, InTmux) and tool.alive():
+        text = tool.screen()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return f": {' | '.join(lines[-2:])[:300]}" if lines else ""
+
+
+def _brief(w: dict[str, Any]) -> str:
+    if "failed" in w:
+        return "failed"
+    return f"{w['cpu_pct']:.1f}%/{w['rss_mb']:.0f}MB (load {w['load']['blocks_per_s'] / 1e3:.0f}k blocks/s)"
 
 
 def _d(values: Sequence[float | None]) -> Dist:
@@ -547,102 +607,111 @@ def _d(values: Sequence[float | None]) -> Dist:
 
 def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: list[dict[str, Any]],
               paths: Sequence[str]) -> tuple[dict[str, Any], str]:
-    spec, tools, runs, warmup, seconds = plan.spec, plan.tools, plan.runs, plan.warmup, plan.seconds
-    every = [w for n in tools for w in windows[n]]
+    """The figures (for results.json) and the printout of a run."""
+    spec, tools = plan.spec, plan.tools
+    ok = {n: [w for w in windows[n] if "failed" not in w] for n in tools}
+    every = [w for n in tools for w in ok[n]]
+    if not every:
+        raise BenchError("no window could be measured: " + "; ".join(
+            w["failed"] for n in tools for w in windows[n]))
     load = {k: _d([w["load"][k] for w in every]) for k in every[0]["load"]}
     machine_sw = _d([w["machine_switches_per_s"] for w in every])
+    foreign = max(w["foreign_load_threads"] for w in every)
     res: dict[str, Any] = {
-        "spec": dataclasses.asdict(spec), "runs": runs, "warmup_s": warmup, "seconds": seconds,
+        "spec": dataclasses.asdict(spec), "runs": plan.runs, "warmup_s": plan.warmup, "seconds": plan.seconds,
         "targets": {"cpu_pct": TARGET_CPU_PCT, "rss_mb": TARGET_RSS_MB,
                     "json_line_bytes": TARGET_JSON_LINE_BYTES},
         "load": {k: d.json() for k, d in load.items()},
         "machine_switches_per_s": machine_sw.json(),
-        "tools": {}, "ratios": {}, "census": censuses, "code": plan.code.version, "load_cpus": plan.load_cpus,
-        "foreign_load_threads": _d([w["foreign_load_threads"] for w in every]).json(),
+        "tools": {}, "ratios": {}, "census": censuses, "code": plan.code.version,
+        "load_cpus": plan.load_cpus, "tool_cpus": plan.tool_cpus, "foreign_load_threads_max": foreign,
+        "failed": {n: [w["failed"] for w in windows[n] if "failed" in w] for n in tools},
     }
-    L: list[str] = []
-    L.append(f"\n7. Busy server: bench_busy ({spec.describe()}); each tool in turn, {seconds:.0f} s after "
-             f"a {warmup:.0f} s warm-up, {runs} rounds; {plan.where()}")
-    L.append(f"   the load: {load['blocks_per_s'].fmt()} blocks/s; its threads switched out "
-             f"{load['switch_outs_per_s'].fmt()} /s ({load['involuntary_per_s'].fmt()} preempted), so "
-             f"~{load['switches_per_s'].fmt()} switches/s")
-    L.append(f"             {load['threads'].fmt()} threads; {load['exits_per_s'].fmt(digits=1)} processes "
-             f"exited and {load['starts_per_s'].fmt(digits=1)} started per s; its own CPU "
-             f"{load['cpu_pct'].fmt(digits=1)} % of one core")
-    L.append("             blocks/s per path: " + ", ".join(
-        f"{p} {load[f'path{i}_per_s'].median:.0f}" for i, p in enumerate(paths)))
-    L.append(f"   the whole machine (everyone's work): {machine_sw.fmt()} switches/s")
-    foreign = max(w["foreign_load_threads"] for w in every)
+    out = [f"\n7. Busy server: bench_busy ({spec.describe()}); each tool in turn, {plan.seconds:.0f} s "
+           f"from {plan.warmup:.0f} s after its first data, {plan.runs} rounds; {plan.where()}",
+           f"   the load: {load['blocks_per_s'].fmt()} blocks/s; its threads switched out "
+           f"{load['switch_outs_per_s'].fmt()} /s ({load['involuntary_per_s'].fmt()} preempted), so "
+           f"~{load['switches_per_s'].fmt()} switches/s",
+           f"             {load['threads'].fmt()} threads; {load['exits_per_s'].fmt(digits=1)} processes "
+           f"exited and {load['starts_per_s'].fmt(digits=1)} started per s; its own CPU "
+           f"{load['cpu_pct'].fmt(digits=1)} % of one core",
+           "             blocks/s per path: " + ", ".join(
+               f"{p} {load[f'path{i}_per_s'].median:.0f}" for i, p in enumerate(paths)),
+           f"   the whole machine (everyone's work): {machine_sw.fmt()} switches/s"]
     if foreign:
-        L.append(f"   NOTE: another busy server (not this benchmark's) ran during some windows, up to "
-                 f"{foreign} threads: offtop traced it too")
+        out.append(f"   NOTE: another busy server (not this benchmark's) ran during some windows, up to "
+                   f"{foreign} threads: offtop traced it too")
     if censuses:
         c = {k: _d([x[k] for x in censuses if x.get(k) is not None]) for k in censuses[0]}
-        L.append(f"   offtop's JSON line at a window's end: {c['tasks'].fmt()} tasks, {c['stacks'].fmt()} "
-                 f"stacks, {c['blocked_now'].fmt()} blocked now, in one interval of "
-                 f"{c['interval_s'].fmt(digits=1)} s")
-        L.append(f"             of them the load's: {c['load_pairs'].fmt()} (thread, stack) pairs, "
-                 f"{c['load_user_stacks'].fmt()} distinct user stacks, {c['load_threads'].fmt()} threads")
-    L.append("")
-    L.append(f"   {'tool':32} {'CPU % of one core':>22} {'RSS MB':>18} {'peak RSS MB':>18} "
-             f"{'load blocks/s meanwhile':>26}")
+        out += [f"   offtop's JSON line at a window's end: {c['tasks'].fmt()} tasks, {c['stacks'].fmt()} "
+                f"stacks, {c['blocked_now'].fmt()} blocked now, in one interval of "
+                f"{c['interval_s'].fmt(digits=1)} s",
+                f"             of them the load's: {c['load_pairs'].fmt()} (thread, stack) pairs, "
+                f"{c['load_user_stacks'].fmt()} distinct user stacks, {c['load_threads'].fmt()} threads"]
+    out += ["", f"   {'tool':32} {'CPU % of one core':>22} {'RSS MB':>18} {'peak RSS MB':>18} "
+                f"{'load blocks/s meanwhile':>26} {'first data s':>20}"]
     per: dict[str, dict[str, Dist]] = {}
     for n in tools:
-        ws = windows[n]
-        d = {"cpu_pct": _d([w["cpu_pct"] for w in ws]), "rss_mb": _d([w["rss_mb"] for w in ws]),
-             "peak_rss_mb": _d([w["peak_rss_mb"] for w in ws])}
-        per[n] = d
-        entry: dict[str, Any] = {"label": LABELS[n], **{k: v.json() for k, v in d.items()}}
-        blocks = _d([w["load"]["blocks_per_s"] for w in ws])
-        L.append(f"   {LABELS[n]:32} {d['cpu_pct'].fmt(digits=1):>22} {d['rss_mb'].fmt():>18} "
-                 f"{d['peak_rss_mb'].fmt():>18} {blocks.fmt():>26}")
-        if n == "batch":
-            sizes = _d([s for w in ws for s in w["json_line_bytes"]])
+        ws = ok[n]
+        entry: dict[str, Any] = {"label": LABELS[n], "windows": len(ws), "failed": len(windows[n]) - len(ws)}
+        if ws:
+            d = {"cpu_pct": _d([w["cpu_pct"] for w in ws]), "rss_mb": _d([w["rss_mb"] for w in ws]),
+                 "peak_rss_mb": _d([w["peak_rss_mb"] for w in ws]),
+                 "first_data_s": _d([w["first_data_s"] for w in ws])}
+            per[n] = d
+            entry |= {k: v.json() for k, v in d.items()}
+            blocks = _d([w["load"]["blocks_per_s"] for w in ws])
+            first = d["first_data_s"].fmt(digits=1)
+            out.append(f"   {LABELS[n]:32} {d['cpu_pct'].fmt(digits=1):>22} {d['rss_mb'].fmt():>18} "
+                       f"{d['peak_rss_mb'].fmt():>18} {blocks.fmt():>26} {first:>20}")
+        for w in windows[n]:
+            if "failed" in w:
+                out.append(f"   {LABELS[n]:32} round {w['round'] + 1} FAILED: {w['failed']}")
+        if n == "batch" and ws:
             entry |= {
-                "json_line_bytes": sizes.json(),
+                "json_line_bytes": _d([s for w in ws for s in w["json_line_bytes"]]).json(),
                 "interval_s": _d([x for w in ws for x in w["interval_s"]]).json(),
                 "self_cpu_pct": _d([x for w in ws for x in w["self_cpu_pct"]]).json(),
                 "self_rss_mb": _d([x for w in ws for x in w["self_rss_mb"]]).json(),
                 "switches_seen_per_s": _d([x for w in ws for x in w["switches_seen_per_s"]]).json(),
-                "first_line_s": _d([w["first_line_s"] for w in ws]).json(),
                 "lost": sum(w["lost"] for w in ws),
             }
-        if n == "tui":
+        if n == "tui" and ws:
             entry["snapshots_per_s"] = _d([w.get("snapshots_per_s") for w in ws]).json()
             entry["header"] = ws[-1].get("header", "")
         res["tools"][n] = entry
-    pairs = [("batch", "top"), ("batch", "htop"), ("tui", "top"), ("tui", "htop")]
     ratios = []
-    for a, b in pairs:
-        if a in windows and b in windows:
-            rs = _d([ratio(x["cpu_pct"], y["cpu_pct"]) for x, y in zip(windows[a], windows[b], strict=True)])
-            res["ratios"][f"{a}_vs_{b}"] = rs.json()
-            ratios.append(f"offtop {a} / {b} = {rs.fmt(digits=1)}{TIMES}")
+    for a, b in (("batch", "top"), ("batch", "htop"), ("tui", "top"), ("tui", "htop")):
+        if a in ok and b in ok:
+            theirs = {w["round"]: w["cpu_pct"] for w in ok[b]}
+            rs = _d([ratio(w["cpu_pct"], theirs[w["round"]]) for w in ok[a] if w["round"] in theirs])
+            if rs.values:
+                res["ratios"][f"{a}_vs_{b}"] = rs.json()
+                ratios.append(f"offtop {a} / {b} = {rs.fmt(digits=1)}{TIMES}")
     if ratios:
-        L.append("   CPU, same round: " + "; ".join(ratios[:2]))
+        out.append("   CPU, same round: " + "; ".join(ratios[:2]))
         if ratios[2:]:
-            L.append("                    " + "; ".join(ratios[2:]))
-    if "batch" in res["tools"]:
-        e = res["tools"]["batch"]
-        L.append(f"   offtop batch: JSON line {_fmtd(e['json_line_bytes'], 1e3, 0)} kB, one every "
-                 f"{_fmtd(e['interval_s'], 1, 2)} s (asked: 1 s); lost {e['lost']}; first line "
-                 f"{_fmtd(e['first_line_s'], 1, 2)} s after launch")
-        L.append(f"                 its own stats: CPU {_fmtd(e['self_cpu_pct'], 1, 1)} %, RSS "
-                 f"{_fmtd(e['self_rss_mb'], 1, 0)} MB; switches/s its probe saw (whole machine) "
-                 f"{_fmtd(e['switches_seen_per_s'], 1, 0)}")
-    if "tui" in res["tools"] and res["tools"]["tui"]["snapshots_per_s"]["n"]:
-        shown = _fmtd(res["tools"]["tui"]["snapshots_per_s"], 1, 2)
-        L.append(f"   offtop TUI: {shown} snapshots shown per s (header #N; asked: 1)")
-    L.append(f"   targets: offtop batch and TUI each {LE} {TARGET_CPU_PCT:g} % of one core and {LE} "
-             f"{TARGET_RSS_MB:g} MB RSS (peak); JSON line {LE} {TARGET_JSON_LINE_BYTES / 1e3:.0f} kB")
+            out.append("                    " + "; ".join(ratios[2:]))
+    e = res["tools"].get("batch", {})
+    if "json_line_bytes" in e:
+        out += [f"   offtop batch: JSON line {_fmtd(e['json_line_bytes'], 1e3, 0)} kB, one every "
+                f"{_fmtd(e['interval_s'], 1, 2)} s (asked: 1 s); lost {e['lost']}",
+                f"                 its own stats: CPU {_fmtd(e['self_cpu_pct'], 1, 1)} %, RSS "
+                f"{_fmtd(e['self_rss_mb'], 1, 0)} MB; switches/s its probe saw (whole machine) "
+                f"{_fmtd(e['switches_seen_per_s'], 1, 0)}"]
+    t = res["tools"].get("tui", {})
+    if t.get("snapshots_per_s", {}).get("n"):
+        out.append(f"   offtop TUI: {_fmtd(t['snapshots_per_s'], 1, 2)} snapshots shown per s "
+                   "(header #N; asked: 1)")
+    out.append(f"   targets: offtop batch and TUI each {LE} {TARGET_CPU_PCT:g} % of one core and {LE} "
+               f"{TARGET_RSS_MB:g} MB RSS (peak); JSON line {LE} {TARGET_JSON_LINE_BYTES / 1e3:.0f} kB")
     for n in ("batch", "tui"):
         if n in per:
-            d = per[n]
-            ok_cpu = d["cpu_pct"].median <= TARGET_CPU_PCT
-            ok_rss = d["peak_rss_mb"].hi <= TARGET_RSS_MB
-            L.append(f"     {LABELS[n]:30} CPU {'met' if ok_cpu else 'NOT met'}, "
-                     f"RSS {'met' if ok_rss else 'NOT met'}")
-    return res, "\n".join(L) + "\n"
+            ok_cpu = per[n]["cpu_pct"].median <= TARGET_CPU_PCT
+            ok_rss = per[n]["peak_rss_mb"].hi <= TARGET_RSS_MB
+            out.append(f"     {LABELS[n]:30} CPU {'met' if ok_cpu else 'NOT met'}, "
+                       f"RSS {'met' if ok_rss else 'NOT met'}")
+    return res, "\n".join(out) + "\n"
 
 
 def _fmtd(d: dict[str, Any], scale: float, digits: int) -> str:
@@ -709,12 +778,12 @@ def profile_one(name: str, load: Load, plan: Plan, rate: int, top: int,
     """py-spy record -f raw on offtop (batch or TUI) while the load runs."""
     warmup, seconds = plan.warmup, plan.seconds
     raw = OUT / f"profile-{name}.txt"
-    tool = start_tool(name, plan.code)
+    tool = start_tool(name, plan.code, plan.tool_cpus)
     try:
-        while time.monotonic() < tool.started_at + warmup:
-            if not tool.alive():
-                raise BenchError(f"offtop {name} exited during its warm-up")
-            time.sleep(0.2)
+        # py-spy stops the process to attach: a signal pending while the kernel
+        # verifies the BPF program makes the load fail (EAGAIN). Attach only
+        # once offtop shows data.
+        first = warm_up(tool, warmup, plan.start_timeout)
         a = load.sample()
         t0, k0 = time.monotonic(), cpu_ticks(tool.pid)
         r = subprocess.run([py_spy(), "record", "--pid", str(tool.pid), "--duration", f"{seconds:.0f}",
@@ -724,8 +793,13 @@ def profile_one(name: str, load: Load, plan: Plan, rate: int, top: int,
         k1, t1 = cpu_ticks(tool.pid), time.monotonic()
         b = load.sample()
         rss = rss_mb(tool.pid)
+        alive = tool.alive()
+    except WindowFailed as e:
+        raise BenchError(f"{e}{failure_detail(tool)}") from None
     finally:
         tool.stop()
+    if not alive:
+        raise BenchError(f"offtop {name} exited while profiled{failure_detail(tool)}")
     if r.returncode != 0 or not raw.exists():
         raise BenchError(f"py-spy failed ({r.returncode}): {r.stderr.strip()[-400:]}")
     cpu = 100.0 * (k1 - k0) / os.sysconf("SC_CLK_TCK") / (t1 - t0)
@@ -733,10 +807,11 @@ def profile_one(name: str, load: Load, plan: Plan, rate: int, top: int,
     rates = load_rates(a, b)
     L = [f"\n   {LABELS[name]}: py-spy record --rate {rate} for {seconds:.0f} s, {total:,} samples of "
          f"running threads; the process used {cpu:.1f} % of one core meanwhile (RSS {rss:.0f} MB); "
-         f"load {rates['blocks_per_s']:.0f} blocks/s",
+         f"load {rates['blocks_per_s']:.0f} blocks/s; first data {first:.1f} s after launch",
          "   (share: of the samples; % core: that share of the process's measured CPU; raw: "
          f"{raw.relative_to(ROOT)})"]
-    out: dict[str, Any] = {"cpu_pct": cpu, "rss_mb": rss, "samples": total, "rate": rate, "seconds": seconds}
+    out: dict[str, Any] = {"cpu_pct": cpu, "rss_mb": rss, "samples": total, "rate": rate, "seconds": seconds,
+                           "first_data_s": first, "load": rates}
     tables = (("self (the function's own code)", own), ("inclusive (the function and what it calls)", incl))
     for title, counter in tables:
         L.append(f"\n   {title:90} {'samples':>8} {'share':>7} {'% core':>7}")
@@ -825,6 +900,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "not the working tree")
     p.add_argument("--load-cpus", metavar="LIST",
                    help="pin the load to these CPUs (taskset -c; default: any)")
+    p.add_argument("--tool-cpus", metavar="LIST",
+                   help="pin each tool to these CPUs (taskset -c; default: any)")
+    p.add_argument("--start-timeout", type=float, default=120.0,
+                   help="a tool that shows no data this many s after launch fails its window (120)")
     p.add_argument("--wait-foreign", type=float, default=120.0,
                    help="wait up to this many s for someone else's bench_busy to end first (120)")
     p.add_argument("--json", type=Path, help="also write the figures to this file")
@@ -843,7 +922,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"unknown tool {', '.join(unknown)}: choose from {', '.join(TOOLS)}")
     try:
         plan = Plan(spec, tuple(tools), runs, warmup, seconds, args.settle, Code.of(args.ref), args.load_cpus,
-                    args.wait_foreign)
+                    args.tool_cpus, args.wait_foreign, args.start_timeout)
         if args.profile:
             res, text = run_profile(plan, args.rate_hz, args.top, args.native)
             entry: dict[str, Any] = {"date": dt.date.today().isoformat(), "commit": plan.code.version,

@@ -669,10 +669,11 @@ class TmuxSession:
     """
 
     def __init__(self, argv: Sequence[str], name: str = "offtop", *, cwd: Path = ROOT,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, cpus: str | None = TRACER_CPU) -> None:
         self.name = f"{name}-bench-{os.getpid()}"
         setenv = ["env", *(f"{k}={v}" for k, v in (env or {}).items())] if env else []
-        cmd = shlex.join([*setenv, "taskset", "-c", TRACER_CPU, *argv])
+        pin = ["taskset", "-c", cpus] if cpus else []
+        cmd = shlex.join([*setenv, *pin, *argv])
         subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "160", "-y", "50",
                         f"cd {shlex.quote(str(cwd))} && exec {cmd}"], check=True)
         out = subprocess.run(["tmux", "list-panes", "-t", self.name, "-F", "#{pane_pid}"],
@@ -701,8 +702,9 @@ class TmuxSession:
 class TuiSession(TmuxSession):
     """offtop's TUI in a detached tmux session."""
 
-    def __init__(self, args: Sequence[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None) -> None:
-        super().__init__([PY, "-m", "offtop.cli", *args], "offtop", cwd=cwd, env=env)
+    def __init__(self, args: Sequence[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
+                 cpus: str | None = TRACER_CPU) -> None:
+        super().__init__([PY, "-m", "offtop.cli", *args], "offtop", cwd=cwd, env=env, cpus=cpus)
 
 
 def measure_cpu(pid: int, seconds: float) -> float:
@@ -1082,16 +1084,23 @@ def busy_rows(b: dict[str, Any], run: str) -> list[tuple[str, str, str, str, str
           f"~{load['switches_per_s']['median'] / 1e3:.0f}k switches/s" if load else "")
     others = "; ".join(f"{label} {_dist(tools[n]['cpu_pct'], 1, 1)} %"
                        for n, label in (("top", "top -b -d 1"), ("htop", "htop -d 10"))
-                       if n in tools)
+                       if "cpu_pct" in tools.get(n, {}))
     cpu_target = b["targets"]["cpu_pct"]
     rss_target = b["targets"]["rss_mb"]
     for name, label in (("batch", "batch (--format json)"), ("tui", "TUI")):
         t = tools.get(name)
         if not t:
             continue
+        if "cpu_pct" not in t:
+            why = "; ".join(b.get("failed", {}).get(name, []))[:200].replace("|", "/")
+            rows.append((f"7. busy server: offtop {label}", f"failed in all {t['failed']} windows: {why}",
+                         f"{LE} {cpu_target:g} % of one core, {LE} {rss_target:g} MB",
+                         yes_no(False), run))
+            continue
         c = t["cpu_pct"]
         rows.append((f"7. busy server: offtop {label} CPU",
-                     f"{_dist(c, 1, 1)} % of one core {at}" + (f" (vs {others})" if others else ""),
+                     f"{_dist(c, 1, 1)} % of one core {at}" + (f" (vs {others})" if others else "")
+                     + (f"; {t['failed']} more windows failed" if t.get("failed") else ""),
                      f"{LE} {cpu_target:g} % of one core", yes_no(c["median"] <= cpu_target), run))
         rows.append((f"7. busy server: offtop {label} RSS",
                      f"{_dist(t['rss_mb'], 1, 0)} MB, peak {_dist(t['peak_rss_mb'], 1, 0)} MB",
