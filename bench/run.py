@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """offtop's benchmarks: what offtop costs, measured side by side in one run.
 
-    make bench                            every benchmark, full length (root, ~20 min)
+    make bench                            every benchmark, full length (root, ~30 min)
     make bench ARGS="--quick"             fewer and shorter runs (~7 min)
     make bench ARGS="switch throughput"   only these benchmarks
     .venv/bin/python bench/run.py --long 30 memory     the 30-minute memory run
 
 Benchmarks: switch (added cost per context switch), throughput (events/s at
-threshold 0), cpu (offtop's own CPU), startup, memory, ui. bench/README.md
+threshold 0), cpu (offtop's own CPU), startup, memory, ui, busy (offtop, top
+and htop on a busy server: bench/busy_server.py). bench/README.md
 says what each one measures. These machines are shared and noisy, so every
 comparison runs its configurations alternately, round after round, in one
 run, and reports medians with min-max. The latest figures are kept in
@@ -23,6 +24,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -43,7 +45,9 @@ README = BENCH / "README.md"
 PY = sys.executable
 TRACER_CPU = "0"  # offtop, bpftrace, the empty probe
 WORKLOAD_CPU = "1"  # the measured workload
-BENCHMARKS = ("switch", "throughput", "cpu", "startup", "memory", "ui")
+BENCHMARKS = ("switch", "throughput", "cpu", "startup", "memory", "ui", "busy")
+# Targets (issue 14). Like-for-like per-switch cost (every switch a block) against bpftrace's:
+SWITCH_VS_BPFTRACE = 0.5
 # Typography for the README, spelled as escapes (ruff flags look-alike characters).
 TIMES, DASH, LE, GE, MICRO = "\u00d7", "\u2013", "\u2264", "\u2265", "\u00b5"
 TABLE_START = "<!-- figures:start (written by bench/run.py) -->"
@@ -109,7 +113,7 @@ class Tools:
     quiet: Quiet = field(default_factory=lambda: Quiet())
 
 
-def compile_c(src: Path, out: Path) -> Path:
+def compile_c(src: Path, out: Path, libs: Sequence[str] = ()) -> Path:
     """gcc with frame pointers, as tests/conftest.py builds its workloads."""
     if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
         return out
@@ -117,7 +121,7 @@ def compile_c(src: Path, out: Path) -> Path:
     if cc is None:
         raise BenchError("no C compiler: `make bench` installs gcc")
 
-    subprocess.run([cc, "-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-o", str(out), str(src)],
+    subprocess.run([cc, "-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-o", str(out), str(src), *libs],
                    check=True)
     return out
 
@@ -224,11 +228,29 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A memory figure of /proc/PID/status in MB: VmRSS (resident now) or VmHWM (peak)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def wait_peak_rss_mb(proc: subprocess.Popen[Any], timeout: float) -> float:
+    """Reap `proc` with wait4(2): its peak RSS over its whole life (ru_maxrss), in MB.
+
+    /proc/PID/status's VmHWM is gone once the process exits; the kernel
+    keeps the peak in the rusage it hands the parent.
+    """
+    end = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return usage.ru_maxrss / 1024
+        if time.monotonic() > end:
+            raise BenchError(f"pid {proc.pid} did not exit within {timeout:.0f}s")
+        time.sleep(0.02)
 
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -451,6 +473,7 @@ class Ctx:
     configs: list[str] | None = None
     against: str | None = None
     batch_sched: bool = True
+    busy_runs: int = 3
 
 
 def rotations(names: Sequence[str], runs: int) -> Iterator[tuple[int, list[str]]]:
@@ -549,7 +572,8 @@ def bench_switch(ctx: Ctx) -> dict[str, Any]:
             print(f"   {t.label:44} {Dist(tuple(rt[mode][t.name])).fmt():>24} {a.fmt() if a else '':>24} "
                   f"{p.fmt() if p else '':>20}")
         if "stacks_vs_bpftrace" in res:
-            print(f"   offtop (both stacks) / bpftrace = {res['stacks_vs_bpftrace']:.2f}x  (target <= 0.75x)")
+            target = f"target <= {SWITCH_VS_BPFTRACE}x" if mode == "block" else "not like for like: no target"
+            print(f"   offtop (both stacks) / bpftrace = {res['stacks_vs_bpftrace']:.2f}x  ({target})")
         if "nostacks_vs_empty" in res:
             print(f"   offtop (no stacks) / empty program = {res['nostacks_vs_empty']:.2f}x  (target <= 2x)")
     return result
@@ -638,14 +662,20 @@ def tui_available() -> bool:
     return (ROOT / "offtop" / "app.py").exists() and shutil.which("tmux") is not None
 
 
-class TuiSession:
-    """offtop's TUI in a detached tmux session, as a user would run it."""
+class TmuxSession:
+    """A full-screen program in a detached tmux session (160x50), as a user would run it.
 
-    def __init__(self, args: Sequence[str]) -> None:
-        self.name = f"offtop-bench-{os.getpid()}"
-        cmd = " ".join(["exec", "taskset", "-c", TRACER_CPU, PY, "-m", "offtop.cli", *args])
+    `pid` is the program's own process: the pane's shell execs it.
+    """
+
+    def __init__(self, argv: Sequence[str], name: str = "offtop", *, cwd: Path = ROOT,
+                 env: dict[str, str] | None = None, cpus: str | None = TRACER_CPU) -> None:
+        self.name = f"{name}-bench-{os.getpid()}"
+        setenv = ["env", *(f"{k}={v}" for k, v in (env or {}).items())] if env else []
+        pin = ["taskset", "-c", cpus] if cpus else []
+        cmd = shlex.join([*setenv, *pin, *argv])
         subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "160", "-y", "50",
-                        f"cd {ROOT} && {cmd}"], check=True)
+                        f"cd {shlex.quote(str(cwd))} && exec {cmd}"], check=True)
         out = subprocess.run(["tmux", "list-panes", "-t", self.name, "-F", "#{pane_pid}"],
                              capture_output=True, text=True, check=True)
         self.pid = int(out.stdout.split()[0])
@@ -653,15 +683,28 @@ class TuiSession:
     def alive(self) -> bool:
         return Path(f"/proc/{self.pid}").exists()
 
-    def stop(self) -> None:
+    def screen(self) -> str:
+        """What the pane shows now."""
+        r = subprocess.run(["tmux", "capture-pane", "-t", self.name, "-p"], capture_output=True, text=True)
+        return r.stdout
+
+    def stop(self, sig: int = signal.SIGINT) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGINT)
+            os.kill(self.pid, sig)
         end = time.monotonic() + 10
         while self.alive() and time.monotonic() < end:
             time.sleep(0.1)
         subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
+
+
+class TuiSession(TmuxSession):
+    """offtop's TUI in a detached tmux session."""
+
+    def __init__(self, args: Sequence[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
+                 cpus: str | None = TRACER_CPU) -> None:
+        super().__init__([PY, "-m", "offtop.cli", *args], "offtop", cwd=cwd, env=env, cpus=cpus)
 
 
 def measure_cpu(pid: int, seconds: float) -> float:
@@ -738,6 +781,7 @@ PHASES = (  # (mark, label, short label for the table)
 def bench_startup(ctx: Ctx) -> dict[str, Any]:
     """Launch to the first JSON line of --count 1, alternating with a phase-timed run."""
     plain: list[float] = []
+    peak: list[float] = []
     timed: list[float] = []
     phases: dict[str, list[float]] = {k: [] for k, _, _ in PHASES}
     args = ["--batch", "--format", "json", "--count", "1"]
@@ -752,10 +796,11 @@ def bench_startup(ctx: Ctx) -> dict[str, Any]:
             bg.wait_for(lambda line: True, timeout=60)
             assert bg.first_line_at is not None
             first = bg.first_line_at - t0
-            bg.proc.wait(30)
+            most = wait_peak_rss_mb(bg.proc, 30)
             bg.stop()
             if which == "plain":
                 plain.append(first)
+                peak.append(most)
             else:
                 timed.append(first)
                 text = (OUT / "startup-timed.stderr").read_text().strip().splitlines()
@@ -765,15 +810,18 @@ def bench_startup(ctx: Ctx) -> dict[str, Any]:
                     at = marks.get(k, prev)
                     phases[k].append(at - prev)
                     prev = at
-        say(f"  round {r + 1}: plain={plain[-1]:.3f}s timed={timed[-1]:.3f}s")
+        say(f"  round {r + 1}: plain={plain[-1]:.3f}s (peak RSS {peak[-1]:.0f} MB) timed={timed[-1]:.3f}s")
     first_interval = _first_interval_s()
     print("\n4. Start-up: launch to the first JSON line of `offtop --batch --format json --count 1`")
     d = Dist(tuple(plain))
+    pk = Dist(tuple(peak))
     print(f"   launch to first snapshot: {d.fmt(digits=3, unit=' s')}   (target <= 1.5 s)")
+    print(f"   peak RSS (start-up and the first interval; ru_maxrss): {pk.fmt(digits=0, unit=' MB')}   "
+          f"(target <= 150 MB)")
     print(f"   breakdown (phase-timed runs, medians; first interval is {first_interval} s):")
     for k, label, _ in PHASES:
         print(f"     {label:30} {Dist(tuple(phases[k])).fmt(scale=1e-3, unit=' ms')}")
-    return {"runs": ctx.runs, "first_snapshot_s": d.json(),
+    return {"runs": ctx.runs, "first_snapshot_s": d.json(), "peak_rss_mb": pk.json(),
             "timed_first_snapshot_s": Dist(tuple(timed)).json(),
             "phases_s": {k: Dist(tuple(v)).json() for k, v in phases.items()},
             "first_interval_s": first_interval}
@@ -875,6 +923,24 @@ def bench_ui(ctx: Ctx) -> dict[str, Any]:
     return {"rows": rows}
 
 
+# --- 7. the busy server ---------------------------------------------------------------
+
+
+def bench_busy(ctx: Ctx) -> dict[str, Any]:
+    """bench/busy_server.py, run as it is (its progress on stderr); its figures from its JSON."""
+    out = OUT / "busy.json"
+    out.unlink(missing_ok=True)
+    argv = [PY, str(BENCH / "busy_server.py"), "--runs", str(ctx.busy_runs), "--json", str(out),
+            "--no-readme", *(["--quick"] if ctx.quick else [])]
+    say(f"busy: {' '.join(argv[1:])}")
+    r = subprocess.run(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT, timeout=3600)
+    if r.returncode != 0 or not out.exists():
+        raise BenchError(f"busy_server.py failed ({r.returncode})")
+    print(r.stdout.rstrip())
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
 # --- bench/README.md ------------------------------------------------------------------
 
 
@@ -939,7 +1005,11 @@ def summary_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             x = ms["stacks_vs_bpftrace"]
             rows.append((f"1a. added cost per switch, kernel+user stacks ({how})",
                          f"offtop +{_dist(o, 1e3, 2)} {MICRO}s vs bpftrace +{_dist(b, 1e3, 2)} {MICRO}s = "
-                         f"**{x:.2f}{TIMES}**", f"{LE} 0.75{TIMES} bpftrace", yes(x <= 0.75), when("switch")))
+                         f"**{x:.2f}{TIMES}**",
+                         *((f"{LE} {SWITCH_VS_BPFTRACE}{TIMES} bpftrace", yes(x <= SWITCH_VS_BPFTRACE))
+                           if mode == "block" else ("none: not like for like (1a, every switch a block, is)",
+                                                    DASH)),
+                         when("switch")))
         if n and e and "nostacks_vs_empty" in ms:
             x = ms["nostacks_vs_empty"]
             rows.append((f"1b. added cost per switch, no stacks ({how})",
@@ -979,6 +1049,10 @@ def summary_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         rows.append(("4. start-up to first snapshot",
                      f"{_dist(d, 1, 2)} s (ms: {parts}; first interval {st.get('first_interval_s')} s)",
                      f"{LE} 1.5 s", yes(d["median"] <= 1.5), when("startup")))
+        if "peak_rss_mb" in st:
+            pk = st["peak_rss_mb"]
+            rows.append(("4. start-up peak RSS (to the first snapshot, ru_maxrss)", f"{_dist(pk, 1, 0)} MB",
+                         f"{LE} 150 MB", yes(pk["max"] <= 150), when("startup")))
     mem = res.get("memory", {}).get("result")
     if mem:
         flat = abs(mem["slope_mb_per_min"]) * mem["minutes"] <= max(5.0, 0.05 * mem["rss_end_mb"])
@@ -994,8 +1068,56 @@ def summary_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         rows.append(("6. UI: tick and keypress to repaint, 2,000 tasks / 20,000 stacks",
                      f"slowest median {worst_med['wall_median_ms']:.0f} ms ({worst_med['measure']}); "
                      f"slowest single run {worst_max['wall_max_ms']:.0f} ms ({worst_max['measure']})",
-                     "< 100 ms", yes(worst_med["wall_median_ms"] < 100), when("ui")))
+                     "< 100 ms, every one in the worst run", yes(worst_max["wall_max_ms"] < 100), when("ui")))
+    busy = res.get("busy", {}).get("result")
+    if busy:
+        rows += busy_rows(busy, when("busy"))
     return rows
+
+
+def busy_rows(b: dict[str, Any], run: str) -> list[tuple[str, str, str, str, str]]:
+    """The busy-server benchmark's rows (bench/busy_server.py writes `b`)."""
+    rows: list[tuple[str, str, str, str, str]] = []
+    tools = b.get("tools", {})
+    load = b.get("load", {})
+    at = (f"at {load['blocks_per_s']['median'] / 1e3:.0f}k blocks/s, "
+          f"~{load['switches_per_s']['median'] / 1e3:.0f}k switches/s" if load else "")
+    others = "; ".join(f"{label} {_dist(tools[n]['cpu_pct'], 1, 1)} %"
+                       for n, label in (("top", "top -b -d 1"), ("htop", "htop -d 10"))
+                       if "cpu_pct" in tools.get(n, {}))
+    cpu_target = b["targets"]["cpu_pct"]
+    rss_target = b["targets"]["rss_mb"]
+    for name, label in (("batch", "batch (--format json)"), ("tui", "TUI")):
+        t = tools.get(name)
+        if not t:
+            continue
+        if "cpu_pct" not in t:
+            why = "; ".join(b.get("failed", {}).get(name, []))[:200].replace("|", "/")
+            rows.append((f"7. busy server: offtop {label}", f"failed in all {t['failed']} windows: {why}",
+                         f"{LE} {cpu_target:g} % of one core, {LE} {rss_target:g} MB",
+                         yes_no(False), run))
+            continue
+        c = t["cpu_pct"]
+        rows.append((f"7. busy server: offtop {label} CPU",
+                     f"{_dist(c, 1, 1)} % of one core {at}" + (f" (vs {others})" if others else "")
+                     + (f"; {t['failed']} more windows failed" if t.get("failed") else ""),
+                     f"{LE} {cpu_target:g} % of one core", yes_no(c["median"] <= cpu_target), run))
+        rows.append((f"7. busy server: offtop {label} RSS",
+                     f"{_dist(t['rss_mb'], 1, 0)} MB, peak {_dist(t['peak_rss_mb'], 1, 0)} MB",
+                     f"{LE} {rss_target:g} MB", yes_no(t["peak_rss_mb"]["max"] <= rss_target), run))
+    line = tools.get("batch", {}).get("json_line_bytes")
+    if line:
+        limit = b["targets"]["json_line_bytes"]
+        every = _dist(tools["batch"].get("interval_s"), 1, 1)
+        rows.append(("7. busy server: JSON batch line per interval",
+                     f"{_dist(line, 1e3, 0)} kB (one line every {every} s)",
+                     f"bounded by default (top N): {LE} {limit / 1e3:.0f} kB",
+                     yes_no(line["max"] <= limit), run))
+    return rows
+
+
+def yes_no(ok: bool) -> str:
+    return "**yes**" if ok else "**no**"
 
 
 def render_table(res: dict[str, Any]) -> str:
@@ -1009,6 +1131,10 @@ def render_table(res: dict[str, Any]) -> str:
         if entry and entry.get("text"):
             lines += ["", f"<details><summary>{name}: full output ({entry['date']})</summary>", "",
                       "```", entry["text"].rstrip(), "```", "", "</details>"]
+    for label, prof in res.get("profile", {}).items():
+        lines += ["", f"<details><summary>profile {label}: py-spy on offtop at the busy server "
+                      f"({prof['date']}, {prof['commit']})</summary>", "",
+                  "```", prof["text"].rstrip(), "```", "", "</details>"]
     lines += ["", TABLE_END]
     return "\n".join(lines)
 
@@ -1035,6 +1161,7 @@ RUNNERS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "startup": bench_startup,
     "memory": bench_memory,
     "ui": bench_ui,
+    "busy": bench_busy,
 }
 
 
@@ -1064,7 +1191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("benchmarks", nargs="*", metavar="BENCHMARK",
                    help=f"which to run (default: all): {', '.join(BENCHMARKS)}")
     p.add_argument("--quick", action="store_true", help="fewer, shorter runs (figures marked quick)")
-    p.add_argument("--runs", type=int, help="rounds per comparison (default 7, quick 3)")
+    p.add_argument("--runs", type=int, help="rounds per comparison (default 7, quick 3; busy: 3, quick 2)")
     p.add_argument("--long", type=float, metavar="MINUTES",
                    help="length of the memory run (default 4, quick 1; the on-demand soak is 30)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
@@ -1093,7 +1220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tools = build()
     ctx = Ctx(tools=tools, quick=args.quick, runs=runs, long_minutes=args.long, variants=variants,
               configs=args.configs.split(",") if args.configs else None, against=args.against,
-              batch_sched=not args.preempt)
+              batch_sched=not args.preempt, busy_runs=args.runs or (2 if args.quick else 3))
     experimental = bool(variants or args.configs or args.against or args.preempt)
     res: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     res["machine"] = machine()

@@ -2,26 +2,26 @@
 
 The app and the batch printer take any `SnapshotSource`: the BPF engine
 (`offtop.bpf.engine.BpfSource`) on a live kernel, or `ReplaySource`, which
-plays back recorded snapshots for UI tests and demos. Neither the app nor
-the widgets know which one they have.
+plays back recorded snapshots (`offtop.recording`) with time travel, for
+offline reading, UI tests and demos. Neither the app nor the widgets know
+which one they have.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import itertools
-import json
+import math
 import os
 import platform
-import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from offtop.model import Snapshot
-from offtop.report import snapshot_from_json
+from offtop.recording import Timeline, load_recording
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +87,42 @@ def local_info(kind: str, scope: str = "all tasks", stacks: str = "kernel+user")
     )
 
 
-class ReplaySource:
-    """Plays back recorded snapshots: for UI tests, demos and offline reading.
+#: How often a waiting replay looks at its stop event (it cannot wait on two).
+_POLL_S = 0.05
 
-    `realtime=False` returns each snapshot at once (tests); otherwise it waits
-    `interval_s` between them like a live source. Threshold changes are kept
-    and stamped onto later snapshots, so the slider behaves as it would live.
+
+class ReplaySource:
+    """Plays back recorded snapshots, with time travel: for offline reading,
+    UI tests and demos.
+
+    Playback: `next_snapshot` returns the next interval; with `realtime` it
+    waits `interval_s / speed` between them (the first comes at once),
+    without it returns each at once (tests). At the end it returns None (the
+    run is over), unless `loop` (start again) or `hold_at_end` (wait there,
+    for a step back or a seek: what the TUI wants, so time travel never ends
+    the run).
+
+    Time travel, for the keys the TUI binds; callable from any thread, each
+    takes effect at once (a waiting `next_snapshot` wakes up):
+
+    - `position` (the interval shown last, -1 before the first), `length`,
+      `at_end`, `times` / `time_at(i)` (end time of each interval, unix s);
+    - `pause()`, `resume()`, `toggle_pause()`, `paused`: while paused,
+      `next_snapshot` waits (it still returns None at once on `stop`);
+    - `step(delta)`: the interval `delta` away from the one shown, at once,
+      and pause there (frame by frame, as video players step);
+    - `seek(index)`, `seek_time(unix_s)`: that interval at once; a playing
+      replay goes on from there, a paused one stays paused;
+    - `speed`, `set_speed(x)`, `faster()`, `slower()`: from 1/16x to 64x.
+
+    Threshold changes are kept and stamped onto later snapshots, so the
+    slider behaves as it would live; until one is made, each snapshot keeps
+    the threshold it was recorded with. `notes` (e.g. "the recording was cut
+    short") are added to the notices of the first interval.
     """
+
+    MIN_SPEED = 1 / 16
+    MAX_SPEED = 64.0
 
     def __init__(
         self,
@@ -102,35 +131,61 @@ class ReplaySource:
         info: SourceInfo | None = None,
         realtime: bool = True,
         loop: bool = False,
+        hold_at_end: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        notes: Sequence[str] = (),
     ) -> None:
-        self._snapshots = list(snapshots)
+        self._snapshots: Sequence[Snapshot] = (
+            snapshots if isinstance(snapshots, Timeline) else list(snapshots))
+        self._times: Sequence[float] = (
+            snapshots.times if isinstance(snapshots, Timeline)
+            else [s.time for s in self._snapshots])
         self._info = info or SourceInfo(
             host="replay", kernel=platform.release(), kind="replay"
         )
         self._realtime = realtime
         self._loop = loop
+        self._hold_at_end = hold_at_end
         self._clock = clock
-        self._index = 0
-        self._threshold_ns = self._snapshots[0].threshold_ns if self._snapshots else 500_000_000
+        self._notes = tuple(notes)
+        self._cond = threading.Condition()
+        self._position = -1
+        self._jump: int | None = None
+        self._paused = False
+        self._speed = 1.0
+        self._resumed_at = -math.inf
+        self._first_threshold = self._snapshots[0].threshold_ns if self._snapshots else 500_000_000
+        self._threshold_override: int | None = None
         self.threshold_writes: list[int] = []
         self.closed = False
 
     @classmethod
-    def from_jsonl(
+    def from_file(
         cls,
         path: str | os.PathLike[str],
         *,
-        info: SourceInfo | None = None,
         realtime: bool = True,
         loop: bool = False,
+        hold_at_end: bool = False,
     ) -> ReplaySource:
-        """Load snapshots recorded with `offtop --batch --format json`.
+        """Play a recording (`--record`) or `--batch --format json` output.
 
-        Raises `RecordingError` (one line for users) for anything that is not
-        such a recording; see `load_recording`.
+        The header of a recording gives `info` (the recorded host, kernel,
+        scope: not this machine's); plain JSON output has none, and says so.
+        Raises `RecordingError` (one line for users); see `load_recording`.
         """
-        return cls(load_recording(path), info=info, realtime=realtime, loop=loop)
+        rec = load_recording(path)
+        h = rec.header
+        info = SourceInfo(host=h.host, kernel=h.kernel, scope=h.scope, stacks=h.stacks,
+                          kind="replay") if h is not None else SourceInfo(
+            host="(not recorded)", kernel="(not recorded)", scope="(not recorded)",
+            stacks="(not recorded)", kind="replay")
+        notes = ("the recording was cut short (not closed): its last interval is "
+                 "incomplete and left out",) if rec.cut_short else ()
+        return cls(rec.timeline, info=info, realtime=realtime, loop=loop,
+                   hold_at_end=hold_at_end, notes=notes)
+
+    # --- SnapshotSource --------------------------------------------------------
 
     @property
     def info(self) -> SourceInfo:
@@ -138,265 +193,171 @@ class ReplaySource:
 
     @property
     def threshold_ns(self) -> int:
-        return self._threshold_ns
+        if self._threshold_override is not None:
+            return self._threshold_override
+        pos = self._position
+        return self._snapshots[pos].threshold_ns if pos >= 0 else self._first_threshold
 
     def start(self) -> None:
-        self._index = 0
+        with self._cond:
+            self._position = -1
+            self._jump = None
 
     def next_snapshot(self, interval_s: float, stop: threading.Event) -> Snapshot | None:
-        if self._realtime and stop.wait(interval_s):
-            return None
-        if stop.is_set() or self.closed:
-            return None
-        if self._index >= len(self._snapshots):
-            if not self._loop or not self._snapshots:
-                return None
-            self._index = 0
-        snap = self._snapshots[self._index]
-        self._index += 1
-        return dataclasses.replace(snap, threshold_ns=self._threshold_ns)
+        began = self._clock()
+        with self._cond:
+            while True:
+                if stop.is_set() or self.closed:
+                    return None
+                if self._jump is not None:
+                    index, self._jump = self._jump, None
+                    break
+                wait = _POLL_S
+                if not self._paused:
+                    index = self._position + 1
+                    if index >= len(self._snapshots):
+                        if self._loop and self._snapshots:
+                            index = 0
+                        elif not self._hold_at_end:
+                            return None
+                    if index < len(self._snapshots):
+                        if not self._realtime or self._position < 0:
+                            break
+                        since = max(began, self._resumed_at)
+                        wait = since + interval_s / self._speed - self._clock()
+                        if wait <= 0:
+                            break
+                self._cond.wait(min(wait, _POLL_S))
+            self._position = index
+        return self._stamp(index)
 
     def set_threshold(self, ns: int) -> None:
-        self._threshold_ns = ns
+        self._threshold_override = ns
         self.threshold_writes.append(ns)
 
     def close(self) -> None:
-        self.closed = True
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
 
     def blocked_waits(self, tids: Iterable[int]) -> Mapping[int, int]:
         """The waits as recorded in the snapshot last returned (see `BlockedWaits`)."""
-        if not 0 < self._index <= len(self._snapshots):
+        pos = self._position
+        if pos < 0:
             return {}
         wanted = set(tids)
-        return {b.tid: b.blocked_ns for b in self._snapshots[self._index - 1].blocked_now
+        return {b.tid: b.blocked_ns for b in self._snapshots[pos].blocked_now
                 if b.tid in wanted}
 
+    def _stamp(self, index: int) -> Snapshot:
+        snap = self._snapshots[index]
+        if self._threshold_override is not None:
+            snap = dataclasses.replace(snap, threshold_ns=self._threshold_override)
+        if index == 0 and self._notes:
+            snap = dataclasses.replace(snap, notices=(*self._notes, *snap.notices))
+        return snap
 
-# --- recordings ------------------------------------------------------------------
+    # --- time travel -------------------------------------------------------------
 
-#: The largest recording offtop loads. Every snapshot is kept in memory for
-#: replay, at about five times its JSON size, so this bounds offtop to a few
-#: hundred MB; a longer recording can be cut with `split -C 64m`.
-MAX_RECORDING_BYTES = 64 << 20
-#: The longest line (one snapshot); a real one is ~1 MB for 2,000 tasks.
-MAX_LINE_BYTES = 16 << 20
+    @property
+    def position(self) -> int:
+        """The index of the interval shown last (-1 before the first)."""
+        return self._position
 
+    @property
+    def length(self) -> int:
+        """How many intervals the recording holds."""
+        return len(self._snapshots)
 
-class RecordingError(ValueError):
-    """A file that is not an offtop recording; the message is one line for users."""
+    @property
+    def at_end(self) -> bool:
+        """The last interval is the one shown."""
+        return self._position == len(self._snapshots) - 1
 
+    @property
+    def times(self) -> Sequence[float]:
+        """The end time (unix s) of every interval, in order."""
+        return self._times
 
-@dataclass(frozen=True, slots=True)
-class _Kind:
-    """What a recorded JSON value must be, and how to say so."""
+    def time_at(self, index: int) -> float:
+        """The end time (unix s) of interval `index`."""
+        return self._times[index]
 
-    what: str
-    test: Callable[[object], bool]
+    @property
+    def paused(self) -> bool:
+        """Playback waits for a step, a seek or `resume()`."""
+        return self._paused
 
+    @property
+    def speed(self) -> float:
+        """How many times faster than recorded the replay plays."""
+        return self._speed
 
-def _is_count(v: object) -> bool:
-    # Counters, ids and nanoseconds: what the kernel hands out fits in a u64.
-    return type(v) is int and 0 <= v < 1 << 64
+    def pause(self) -> None:
+        """Hold playback at the interval shown."""
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
 
+    def resume(self) -> None:
+        """Play on; the next interval comes a whole (scaled) interval from now."""
+        with self._cond:
+            if self._paused:
+                self._paused = False
+                self._resumed_at = self._clock()
+            self._cond.notify_all()
 
-def _is_seconds(v: object) -> bool:
-    # A year-5000 bound keeps time.localtime() and the formatters defined.
-    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e11
+    def toggle_pause(self) -> bool:
+        """Pause or resume; returns whether paused now."""
+        if self._paused:
+            self.resume()
+        else:
+            self.pause()
+        return self._paused
 
+    def step(self, delta: int = 1) -> int:
+        """Show the interval `delta` away at once (negative: back), and pause there.
 
-def _is_number(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1 << 64
+        Steps add up until shown (two quick steps back go two intervals back).
+        Returns the index that will be shown.
+        """
+        with self._cond:
+            base = self._jump if self._jump is not None else self._position
+            target = self._clamp(base + delta)
+            self._jump = target
+            self._paused = True
+            self._cond.notify_all()
+            return target
 
+    def seek(self, index: int) -> int:
+        """Show interval `index` at once (clamped to the recording); returns it."""
+        with self._cond:
+            target = self._clamp(index)
+            self._jump = target
+            self._resumed_at = self._clock()
+            self._cond.notify_all()
+            return target
 
-def _is_text(v: object) -> bool:
-    return type(v) is str
+    def seek_time(self, unix_s: float) -> int:
+        """Show the first interval that ends at or after `unix_s`; returns its index."""
+        return self.seek(bisect.bisect_left(self._times, unix_s))
 
+    def set_speed(self, factor: float) -> float:
+        """Play `factor` times as fast as recorded (1/16 to 64); returns the speed set."""
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"replay speed must be a positive number, not {factor!r}")
+        with self._cond:
+            self._speed = min(self.MAX_SPEED, max(self.MIN_SPEED, factor))
+            self._cond.notify_all()
+            return self._speed
 
-def _is_text_list(v: object) -> bool:
-    return type(v) is list and all(type(x) is str for x in v)
+    def faster(self) -> float:
+        """Double the speed (at most 64x)."""
+        return self.set_speed(self._speed * 2)
 
+    def slower(self) -> float:
+        """Halve the speed (at least 1/16x)."""
+        return self.set_speed(self._speed / 2)
 
-def _is_counts(v: object) -> bool:
-    return type(v) is dict and all(type(k) is str and _is_count(x) for k, x in v.items())
-
-
-_COUNT = _Kind("a whole number from 0 to 2^64", _is_count)
-_SECONDS = _Kind("a number of seconds", _is_seconds)
-_NUMBER = _Kind("a number from 0 to 2^64", _is_number)
-_TEXT = _Kind("a string", _is_text)
-_TEXTS = _Kind("a list of strings", _is_text_list)
-_COUNTS = _Kind("an object of whole numbers", _is_counts)
-
-#: The fields `report.snapshot_from_json` reads, by object: (kind, required).
-#: Unknown fields are left alone, so newer recordings still play.
-_Spec = dict[str, tuple[_Kind, bool]]
-_ROW_BASE: _Spec = {"pid": (_COUNT, True), "comm": (_TEXT, True)}
-_STACK_BASE: _Spec = {**_ROW_BASE, "tid": (_COUNT, True), "state": (_TEXT, True),
-                      "kernel": (_TEXTS, True), "user": (_TEXTS, True),
-                      "user_modules": (_TEXTS, False)}
-_TOTALS: _Spec = {"offcpu_ns": (_COUNT, True), "count": (_COUNT, True),
-                  "max_ns": (_COUNT, True), "state_ns": (_COUNTS, True),
-                  "total_ns": (_COUNT, False), "events": (_COUNT, False)}
-_ROWS: dict[str, _Spec] = {
-    "tasks": {**_ROW_BASE, "tid": (_COUNT, True), **_TOTALS},
-    "processes": {**_ROW_BASE, "threads": (_COUNT, True), **_TOTALS,
-                  "user": (_TEXT, False), "cmdline": (_TEXT, False)},
-    "stacks": {**_STACK_BASE, "offcpu_ns": (_COUNT, True), "count": (_COUNT, True),
-               "max_ns": (_COUNT, False)},
-    "long_blocks": {**_STACK_BASE, "time": (_SECONDS, True), "duration_ns": (_COUNT, True),
-                    "cgroup_id": (_COUNT, False)},
-    "blocked_now": {**_STACK_BASE, "blocked_ns": (_COUNT, True)},
-}
-_TOP: _Spec = {"time": (_SECONDS, True), "interval_s": (_SECONDS, True),
-               "threshold_ns": (_COUNT, True), "seq": (_COUNT, False),
-               "notices": (_TEXTS, False), "finished": (_TEXT, False)}
-_STATS: _Spec = {
-    "stack_errors_by_cause": (_COUNTS, False), "drops": (_COUNTS, False),
-    "symbol_errors": (_COUNTS, False), "offtop_cpu_pct": (_NUMBER, False),
-} | {
-    name: (_COUNT, False)
-    for name in ("events", "lost", "events_total", "lost_total", "truncated_stacks",
-                 "symbol_misses", "agg_entries", "stacks_used", "stacks_capacity",
-                 "stacks_reclaimed", "probe_run_ns", "probe_runs", "flood_threshold_ns",
-                 "symbol_deadline_misses", "depth_limited_stacks", "user_stacks_lost",
-                 "offtop_rss_bytes")
-}
-
-
-def _json_type(v: object) -> str:
-    if type(v) in (int, float):
-        text = repr(v)
-        return text if len(text) <= 24 else f"{text[:20]}...{text[-3:]}"
-    names = {dict: "an object", list: "a list", str: "a string", bool: "true/false",
-             type(None): "null"}
-    return names.get(type(v), type(v).__name__)
-
-
-def _check_object(obj: object, spec: _Spec, where: str) -> dict[str, object]:
-    if type(obj) is not dict:
-        raise RecordingError(f"{where}: expected an object, found {_json_type(obj)}")
-    for name, (kind, required) in spec.items():
-        if name not in obj:
-            if required:
-                raise RecordingError(f"{where}: {name} is missing")
-        elif not kind.test(obj[name]):
-            raise RecordingError(
-                f"{where}.{name}: expected {kind.what}, found {_json_type(obj[name])}")
-    return obj
-
-
-def _check_snapshot(obj: object) -> dict[str, object]:
-    """The checks `snapshot_from_json` leaves out: every field it reads has its type."""
-    if type(obj) is not dict:
-        raise RecordingError(
-            f"expected one JSON object per line (a snapshot), found {_json_type(obj)}")
-    d = _check_object(obj, _TOP, "snapshot")
-    if "stats" in d:
-        _check_object(d["stats"], _STATS, "stats")
-    for key, spec in _ROWS.items():
-        rows = d.get(key, [])
-        if type(rows) is not list:
-            raise RecordingError(f"{key}: expected a list, found {_json_type(rows)}")
-        for i, row in enumerate(rows):
-            _check_object(row, spec, f"{key}[{i}]")
-    return d
-
-
-def _refuse_constant(name: str) -> float:
-    raise RecordingError(f"{name} is not a number a recording can hold")
-
-
-def parse_snapshot_line(line: str | bytes) -> Snapshot:
-    """One recorded line as a snapshot, or a `RecordingError` saying what is wrong."""
-    if isinstance(line, bytes):
-        try:
-            line = line.decode("utf-8")
-        except UnicodeDecodeError:
-            raise RecordingError("not UTF-8 text (not an offtop JSON recording)") from None
-    try:
-        obj = json.loads(line, parse_constant=_refuse_constant)
-    except json.JSONDecodeError as e:
-        raise RecordingError(f"not JSON ({e.msg} at column {e.colno})") from None
-    except RecursionError:
-        raise RecordingError("JSON nested too deeply") from None
-    except RecordingError:  # from _refuse_constant
-        raise
-    except ValueError as e:  # e.g. an integer of more than 4,300 digits
-        raise RecordingError(f"not JSON ({e})") from None
-    d = _check_snapshot(obj)
-    try:
-        return snapshot_from_json(d)
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-        # A field added to the codec since the checks above were written.
-        raise RecordingError(f"not a snapshot ({type(e).__name__}: {e})") from None
-
-
-def read_jsonl(lines: Iterable[str | bytes]) -> Iterator[Snapshot]:
-    """Snapshots from JSON lines, skipping blank ones; `RecordingError` names the bad line."""
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                yield parse_snapshot_line(line)
-            except RecordingError as e:
-                raise RecordingError(f"line {n}: {e}") from None
-
-
-def _bounded_lines(f: BinaryIO) -> Iterator[bytes]:
-    """The lines of `f`, refusing any longer than MAX_LINE_BYTES or a file that outgrows the cap."""
-    total = 0
-    for n in itertools.count(1):
-        line = f.readline(MAX_LINE_BYTES + 1)
-        if not line:
-            return
-        total += len(line)
-        if len(line) > MAX_LINE_BYTES:
-            raise RecordingError(f"line {n} is longer than {MAX_LINE_BYTES >> 20} MiB")
-        if total > MAX_RECORDING_BYTES:
-            raise RecordingError(f"larger than {MAX_RECORDING_BYTES >> 20} MiB")
-        yield line
-
-
-_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
-               (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
-
-
-def _refuse_unless_regular(mode: int) -> None:
-    if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
-        raise RecordingError(f"{kind}, not a file written by offtop --batch --format json")
-
-
-def _open_regular(path: str | os.PathLike[str]) -> BinaryIO:
-    """`path` opened for reading if it is a regular file; never blocks, never opens a device."""
-    # stat() first: opening a FIFO waits for a writer, opening a device may act.
-    _refuse_unless_regular(os.stat(path).st_mode)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)  # what was opened, in case the path changed since the stat()
-        _refuse_unless_regular(st.st_mode)
-        if st.st_size > MAX_RECORDING_BYTES:
-            raise RecordingError(
-                f"{st.st_size / (1 << 20):.0f} MiB, larger than the {MAX_RECORDING_BYTES >> 20} MiB "
-                f"offtop replays (cut it with split -C {MAX_RECORDING_BYTES >> 20}m)")
-    except BaseException:
-        os.close(fd)
-        raise
-    return os.fdopen(fd, "rb")
-
-
-def load_recording(path: str | os.PathLike[str]) -> list[Snapshot]:
-    """Every snapshot of a recording, in bounded time and memory.
-
-    Only a regular file is read, at most MAX_RECORDING_BYTES of it, a line at
-    a time of at most MAX_LINE_BYTES; each line must be a snapshot object with
-    every field of the right type. Anything else is a `RecordingError` whose
-    message says what and where; OS errors become one too.
-    """
-    try:
-        with _open_regular(path) as f:
-            snaps = list(read_jsonl(_bounded_lines(f)))
-    except OSError as e:
-        raise RecordingError(e.strerror or str(e)) from None
-    if not snaps:
-        raise RecordingError("holds no snapshots (empty, or blank lines only)")
-    return snaps
+    def _clamp(self, index: int) -> int:
+        return max(0, min(len(self._snapshots) - 1, index))

@@ -164,3 +164,48 @@ def remove_cgroup(d: Path, tries: int = 50) -> None:
             return
         except OSError:
             time.sleep(0.1)
+
+
+# --- refusals, and running offtop as an unprivileged user ------------------------
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """The contract for every refusal; returns the line."""
+    assert r.returncode != 0, f"expected a failure, got 0; stdout={r.stdout[:300]!r}"
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}: {r.stderr!r}"
+    line = lines[0]
+    assert line.startswith("offtop: "), line
+    for n in needles:
+        assert n in line, f"{n!r} not in {line!r}"
+    assert r.stdout == "", r.stdout
+    return line
+
+
+def need_root() -> None:
+    if os.geteuid() != 0:
+        if REQUIRE_BPF:
+            pytest.fail("OFFTOP_REQUIRE_BPF=1 but not root")
+        pytest.skip("needs root")
+
+
+def _python_for_nobody() -> tuple[list[str], dict[str, str]]:
+    """An interpreter that user nobody can run offtop with (the venv, or the system's)."""
+    probe = subprocess.run([*NOBODY, sys.executable, "-c", "import offtop.cli"],
+                           cwd=ROOT, capture_output=True)
+    env = {k: v for k, v in os.environ.items() if k != "BCC_KERNEL_SOURCE"}
+    if probe.returncode == 0:
+        return [sys.executable], env
+    return ["/usr/bin/python3"], {**env, "PYTHONPATH": str(ROOT)}
+
+
+def run_as_nobody(*args: str, env: dict[str, str] | None = None,
+                  timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`offtop args...` as user nobody, with no capabilities at all."""
+    need_root()
+    py, base_env = _python_for_nobody()
+    return subprocess.run([*NOBODY, *py, "-m", "offtop.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env={**base_env, **(env or {})})

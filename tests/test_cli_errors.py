@@ -19,49 +19,18 @@ from pathlib import Path
 import pytest
 
 from offtop.cgroups import CgroupError, cgroup2_mounts, resolve_cgroup
-from tests.conftest import REQUIRE_BPF, ROOT, offtop_json, remove_cgroup, run_offtop, task_of
-
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
-
-
-def assert_one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> str:
-    """The contract for every refusal; returns the line."""
-    assert r.returncode != 0, f"expected a failure, got 0; stdout={r.stdout[:300]!r}"
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = r.stderr.splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}: {r.stderr!r}"
-    line = lines[0]
-    assert line.startswith("offtop: "), line
-    for n in needles:
-        assert n in line, f"{n!r} not in {line!r}"
-    assert r.stdout == "", r.stdout
-    return line
-
-
-def need_root() -> None:
-    if os.geteuid() != 0:
-        if REQUIRE_BPF:
-            pytest.fail("OFFTOP_REQUIRE_BPF=1 but not root")
-        pytest.skip("needs root")
-
-
-def _python_for_nobody() -> tuple[list[str], dict[str, str]]:
-    """An interpreter that user nobody can run offtop with (the venv, or the system's)."""
-    probe = subprocess.run([*NOBODY, sys.executable, "-c", "import offtop.cli"],
-                           cwd=ROOT, capture_output=True)
-    env = {k: v for k, v in os.environ.items() if k != "BCC_KERNEL_SOURCE"}
-    if probe.returncode == 0:
-        return [sys.executable], env
-    return ["/usr/bin/python3"], {**env, "PYTHONPATH": str(ROOT)}
-
-
-def run_as_nobody(*args: str, env: dict[str, str] | None = None,
-                  timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """`offtop args...` as user nobody, with no capabilities at all."""
-    need_root()
-    py, base_env = _python_for_nobody()
-    return subprocess.run([*NOBODY, *py, "-m", "offtop.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env={**base_env, **(env or {})})
+from tests.conftest import (  # NOBODY, _python_for_nobody: test_security imports them from here
+    NOBODY,  # noqa: F401
+    ROOT,
+    _python_for_nobody,  # noqa: F401
+    assert_one_line_error,
+    need_root,
+    offtop_json,
+    remove_cgroup,
+    run_as_nobody,
+    run_offtop,
+    task_of,
+)
 
 
 def free_pid() -> int:

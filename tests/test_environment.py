@@ -21,8 +21,8 @@ import pytest
 
 from offtop.bpf import environment
 from offtop.bpf.environment import EnvironmentProblem, HeaderChoice, find_kernel_headers
-from tests.conftest import ROOT
-from tests.test_cli_errors import (
+from tests.conftest import (
+    ROOT,
     _python_for_nobody,
     assert_one_line_error,
     need_root,
