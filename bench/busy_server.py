@@ -298,7 +298,8 @@ class Code:
             return Code(version=f"working tree at {code_version()}")
         where = checkout(ref)
         # `python -m` puts the working directory first on sys.path; PYTHONPATH covers the rest.
-        return Code(where, (("PYTHONPATH", str(where)),), f"{ref} = {where.name.removeprefix('ref-')}")
+        sha = where.name.removeprefix("ref-")
+        return Code(where, (("PYTHONPATH", str(where)),), sha if ref.startswith(sha) else f"{ref} = {sha}")
 
 
 class OfftopBatch:

@@ -989,7 +989,9 @@ def summary_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
 
     def when(b: str) -> str:
         e = res.get(b, {})
-        return f"{e.get('date', '?')}{' (quick)' if e.get('quick') else ''}"
+        code = (e.get("result") or {}).get("code", "working tree")
+        return (f"{e.get('date', '?')}{' (quick)' if e.get('quick') else ''}"
+                + ("" if code == "working tree" or code.startswith("working tree") else f", offtop {code}"))
 
     def yes(ok: bool) -> str:
         return "**yes**" if ok else "**no**"
