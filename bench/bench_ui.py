@@ -7,7 +7,10 @@ measures, in one run:
   builds the per-snapshot index that the worker thread builds live) until the
   screen is repainted, in the task view and with the callchain tree open;
 * keypress → repaint latency for down (from the top row, so that every
-  press really moves the cursor), s, t, enter/esc, +/-.
+  press really moves the cursor), s, t, enter/esc, +/-; and, where the app
+  has them, the stacks pane's views and modes: a (all stacks), f (flame
+  graph), m (merge), i (idle waits), c (since start), with a tick while the
+  flame graph of all tasks is open.
 
 "Repainted" means all queued messages processed and the compositor has
 rendered the dirty regions (`pilot.pause(0)` forces the update the refresh
@@ -68,7 +71,7 @@ def held_replay(snaps: list[Snapshot]) -> Any:
 
 def _quiet(app: OfftopApp) -> bool:
     nodes = [app, app.screen, *app.screen.walk_children(with_self=False)]
-    return all(node._message_queue.empty() for node in nodes)
+    return all(node.message_queue_size == 0 for node in nodes)
 
 
 async def settle(pilot: Any) -> None:
@@ -89,12 +92,28 @@ CHARS = {"down": None, "enter": None, "escape": None, "plus": "+", "minus": "-"}
 
 
 def send_key(app: OfftopApp, key: str) -> None:
-    """Deliver a key the way the terminal driver does (`Pilot.press` adds idle
-    waits of 20 ms or more per key, which would swamp what is measured)."""
+    """Deliver a key as the terminal driver does, a message to the app
+    (`Pilot.press` adds idle waits of 20 ms or more per key, which would
+    swamp what is measured)."""
     event = events.Key(key, CHARS.get(key, key))
     event.set_sender(app)
-    assert app._driver is not None
-    app._driver.send_message(event)
+    app.post_message(event)
+
+
+def has_key(app: OfftopApp, key: str) -> bool:
+    """The app binds `key` (the commit measured against may not)."""
+    return any(getattr(b, "key", None) == key for b in app.BINDINGS)
+
+
+def build_index(snap: Snapshot) -> object:
+    """The per-snapshot index the worker thread builds, in whichever form
+    the code measured has (the model's since the redesign, the app's before)."""
+    try:
+        from offtop.model import SnapshotIndex
+    except ImportError:
+        from offtop.app import SnapshotIndex
+    build = getattr(SnapshotIndex, "build", SnapshotIndex)
+    return build(snap)
 
 
 #: CPU time of each measurement, by the order it was taken (wall times are
@@ -116,7 +135,7 @@ async def measure(runs: int, action: Callable[[int], Awaitable[None]], pilot: An
 
 async def bench(runs: int, tasks: int, stacks: int) -> tuple[Results, Results]:
     """Every measure, `runs` times: (wall times, CPU times) in ms."""
-    from offtop.app import OfftopApp, SnapshotIndex
+    from offtop.app import OfftopApp
     from offtop.synthetic import synthetic_snapshots
 
     t0 = time.perf_counter()
@@ -158,10 +177,22 @@ async def bench(runs: int, tasks: int, stacks: int) -> tuple[Results, Results]:
         index_ms = []
         for snap in snaps[:runs]:
             t = time.perf_counter()
-            SnapshotIndex.build(snap)
+            build_index(snap)
             index_ms.append((time.perf_counter() - t) * 1000)
         results["index (worker thread)"] = index_ms
         cpu["index (worker thread)"] = index_ms
+        try:
+            from offtop.widgets.flame_graph import FlameTree
+        except ImportError:
+            pass
+        else:
+            flame_ms = []
+            for snap in snaps[:runs]:
+                t = time.perf_counter()
+                FlameTree(snap.stacks, group_by="process")
+                flame_ms.append((time.perf_counter() - t) * 1000)
+            results["flame tree (worker thread)"] = flame_ms
+            cpu["flame tree (worker thread)"] = flame_ms
 
         async def timed(name: str, n: int, action: Callable[[int], Awaitable[None]]) -> None:
             start = len(CPU_MS)
@@ -199,6 +230,27 @@ async def bench(runs: int, tasks: int, stacks: int) -> tuple[Results, Results]:
         send_key(app, "t")
         await settle(pilot)
         await timed("tick: processes", runs, tick)
+        send_key(app, "t")
+        await settle(pilot)
+        if has_key(app, "f"):  # the stacks pane's views and modes (since the redesign)
+            for _ in range(runs):
+                await timed("key: a (all stacks)", 1, await press("a"))
+                await timed("key: a (task stacks)", 1, await press("a"))
+            for key, name in (("m", "merge"), ("i", "idle waits"), ("c", "since start")):
+                send_key(app, "a")
+                await settle(pilot)
+                for _ in range(runs):
+                    await timed(f"key: {key} ({name} on)", 1, await press(key))
+                    await timed(f"key: {key} ({name} off)", 1, await press(key))
+                send_key(app, "a")
+                await settle(pilot)
+            for _ in range(runs):
+                await timed("key: f (flame graph)", 1, await press("f"))
+                await timed("key: f (back)", 1, await press("f"))
+            send_key(app, "a")
+            send_key(app, "f")
+            await settle(pilot)
+            await timed("tick: flame of all open", runs, tick)
         writes = len(source.threshold_writes)
     note(f"threshold writes recorded by the source: {writes}")
     return results, cpu

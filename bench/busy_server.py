@@ -66,6 +66,7 @@ from run import (
     rotations,
     rss_mb,
     say,
+    sched_probes,
     write_readme,
 )
 
@@ -144,9 +145,6 @@ def load_rates(a: LoadSample, b: LoadSample) -> dict[str, float]:
         "blocks_per_s": (b.blocks - a.blocks) / span,
         "switch_outs_per_s": outs,
         "involuntary_per_s": (b.involuntary - a.involuntary) / span,
-        # Each block switches the thread out and, when it wakes on an idle CPU,
-        # switches it in again: two context switches per switch-out.
-        "switches_per_s": 2 * outs,
         "cpu_pct": (b.cpu_us - a.cpu_us) / 1e4 / span,
         "starts_per_s": (b.started - a.started) / span,
         "exits_per_s": (b.exited - a.exited) / span,
@@ -300,7 +298,8 @@ class Code:
             return Code(version=f"working tree at {code_version()}")
         where = checkout(ref)
         # `python -m` puts the working directory first on sys.path; PYTHONPATH covers the rest.
-        return Code(where, (("PYTHONPATH", str(where)),), f"{ref} = {where.name.removeprefix('ref-')}")
+        sha = where.name.removeprefix("ref-")
+        return Code(where, (("PYTHONPATH", str(where)),), sha if ref.startswith(sha) else f"{ref} = {sha}")
 
 
 class OfftopBatch:
@@ -630,14 +629,14 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
     out = [f"\n7. Busy server: bench_busy ({spec.describe()}); each tool in turn, {plan.seconds:.0f} s "
            f"from {plan.warmup:.0f} s after its first data, {plan.runs} rounds; {plan.where()}",
            f"   the load: {load['blocks_per_s'].fmt()} blocks/s; its threads switched out "
-           f"{load['switch_outs_per_s'].fmt()} /s ({load['involuntary_per_s'].fmt()} preempted), so "
-           f"~{load['switches_per_s'].fmt()} switches/s",
+           f"{load['switch_outs_per_s'].fmt()} times/s ({load['involuntary_per_s'].fmt()} preempted)",
            f"             {load['threads'].fmt()} threads; {load['exits_per_s'].fmt(digits=1)} processes "
            f"exited and {load['starts_per_s'].fmt(digits=1)} started per s; its own CPU "
            f"{load['cpu_pct'].fmt(digits=1)} % of one core",
            "             blocks/s per path: " + ", ".join(
                f"{p} {load[f'path{i}_per_s'].median:.0f}" for i, p in enumerate(paths)),
-           f"   the whole machine (everyone's work): {machine_sw.fmt()} switches/s"]
+           f"   context switches on the whole machine (what offtop's probe sees; the load's and everyone "
+           f"else's): {machine_sw.fmt()} /s"]
     if foreign:
         out.append(f"   NOTE: another busy server (not this benchmark's) ran during some windows, up to "
                    f"{foreign} threads: offtop traced it too")
@@ -773,17 +772,43 @@ def py_spy() -> str:
     return found
 
 
-def profile_one(name: str, load: Load, plan: Plan, rate: int, top: int,
-                native: bool) -> tuple[dict[str, Any], list[str]]:
-    """py-spy record -f raw on offtop (batch or TUI) while the load runs."""
+def wait_attached(tool: Tool, timeout: float) -> float:
+    """Wait until the tool's BPF program is on sched_switch; seconds from launch."""
+    end = tool.started_at + timeout
+    while not any(pid == tool.pid for pid, _ in sched_probes()):
+        if not tool.alive():
+            raise WindowFailed(f"{tool.name} exited before its probe was attached")
+        if time.monotonic() > end:
+            raise WindowFailed(f"{tool.name}'s probe was not attached within {timeout:.0f} s of launch")
+        time.sleep(0.5)
+    return time.monotonic() - tool.started_at
+
+
+def profile_one(name: str, load: Load, plan: Plan, rate: int, top: int, native: bool,
+                startup: bool) -> tuple[dict[str, Any], list[str]]:
+    """py-spy record -f raw on offtop (batch or TUI) while the load runs.
+
+    From a warm-up after offtop's first data (its running cost), or with
+    `startup` from the moment its probe is attached (what delays the first data).
+    """
     warmup, seconds = plan.warmup, plan.seconds
-    raw = OUT / f"profile-{name}.txt"
+    raw = OUT / f"profile-{name}{'-startup' if startup else ''}.txt"
     tool = start_tool(name, plan.code, plan.tool_cpus)
     try:
         # py-spy stops the process to attach: a signal pending while the kernel
         # verifies the BPF program makes the load fail (EAGAIN). Attach only
-        # once offtop shows data.
-        first = warm_up(tool, warmup, plan.start_timeout)
+        # once the program is in.
+        attached = wait_attached(tool, plan.start_timeout)
+        if startup:
+            when = f"from its probe's attachment, {attached:.1f} s after launch"
+        else:
+            try:
+                first = warm_up(tool, warmup, plan.start_timeout)
+                when = f"from {warmup:.0f} s after its first data ({first:.1f} s after launch)"
+            except WindowFailed:
+                if not tool.alive():
+                    raise
+                when = f"NO data yet {plan.start_timeout:.0f} s after launch: its start-up"
         a = load.sample()
         t0, k0 = time.monotonic(), cpu_ticks(tool.pid)
         r = subprocess.run([py_spy(), "record", "--pid", str(tool.pid), "--duration", f"{seconds:.0f}",
@@ -807,11 +832,11 @@ def profile_one(name: str, load: Load, plan: Plan, rate: int, top: int,
     rates = load_rates(a, b)
     L = [f"\n   {LABELS[name]}: py-spy record --rate {rate} for {seconds:.0f} s, {total:,} samples of "
          f"running threads; the process used {cpu:.1f} % of one core meanwhile (RSS {rss:.0f} MB); "
-         f"load {rates['blocks_per_s']:.0f} blocks/s; first data {first:.1f} s after launch",
+         f"load {rates['blocks_per_s']:.0f} blocks/s; sampled {when}",
          "   (share: of the samples; % core: that share of the process's measured CPU; raw: "
          f"{raw.relative_to(ROOT)})"]
     out: dict[str, Any] = {"cpu_pct": cpu, "rss_mb": rss, "samples": total, "rate": rate, "seconds": seconds,
-                           "first_data_s": first, "load": rates}
+                           "when": when, "load": rates}
     tables = (("self (the function's own code)", own), ("inclusive (the function and what it calls)", incl))
     for title, counter in tables:
         L.append(f"\n   {title:90} {'samples':>8} {'share':>7} {'% core':>7}")
@@ -824,7 +849,7 @@ def profile_one(name: str, load: Load, plan: Plan, rate: int, top: int,
     return out, L
 
 
-def run_profile(plan: Plan, rate: int, top: int, native: bool) -> tuple[dict[str, Any], str]:
+def run_profile(plan: Plan, rate: int, top: int, native: bool, startup: bool) -> tuple[dict[str, Any], str]:
     """py-spy on offtop batch, then on its TUI, on one running load. Returns (figures, text)."""
     targets = [t for t in plan.tools if t in ("batch", "tui")] or ["batch", "tui"]
     check_tools(targets)
@@ -839,7 +864,7 @@ def run_profile(plan: Plan, rate: int, top: int, native: bool) -> tuple[dict[str
     try:
         time.sleep(plan.settle)
         for name in targets:
-            out, lines = profile_one(name, load, plan, rate, top, native)
+            out, lines = profile_one(name, load, plan, rate, top, native, startup)
             res["targets"][name] = out
             L += lines
             say(f"  {name}: {out['samples']} samples, {out['cpu_pct']:.1f}% CPU")
@@ -895,6 +920,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate-hz", type=int, default=100, help="--profile: py-spy's sampling rate")
     p.add_argument("--top", type=int, default=25, help="--profile: entries per table")
     p.add_argument("--native", action="store_true", help="--profile: native frames too (py-spy --native)")
+    p.add_argument("--startup", action="store_true",
+                   help="--profile: from the probe's attachment, not a warm-up after the first data")
     p.add_argument("--ref", metavar="GIT-REF",
                    help="run offtop from the code of GIT-REF (unpacked under bench/out/), "
                         "not the working tree")
@@ -924,7 +951,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = Plan(spec, tuple(tools), runs, warmup, seconds, args.settle, Code.of(args.ref), args.load_cpus,
                     args.tool_cpus, args.wait_foreign, args.start_timeout)
         if args.profile:
-            res, text = run_profile(plan, args.rate_hz, args.top, args.native)
+            res, text = run_profile(plan, args.rate_hz, args.top, args.native, args.startup)
             entry: dict[str, Any] = {"date": dt.date.today().isoformat(), "commit": plan.code.version,
                                      "result": res, "text": text}
             key, label = "profile", args.label

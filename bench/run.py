@@ -474,6 +474,7 @@ class Ctx:
     against: str | None = None
     batch_sched: bool = True
     busy_runs: int = 3
+    ref: str | None = None
 
 
 def rotations(names: Sequence[str], runs: int) -> Iterator[tuple[int, list[str]]]:
@@ -785,14 +786,17 @@ def bench_startup(ctx: Ctx) -> dict[str, Any]:
     timed: list[float] = []
     phases: dict[str, list[float]] = {k: [] for k, _, _ in PHASES}
     args = ["--batch", "--format", "json", "--count", "1"]
-    say(f"startup: {ctx.runs} rounds x (plain, phase-timed)")
+    code_dir = checkout(ctx.ref) if ctx.ref else ROOT
+    code_env = {"PYTHONPATH": str(code_dir)} if ctx.ref else {}
+    say(f"startup: {ctx.runs} rounds x (plain, phase-timed)"
+        + (f", offtop from {ctx.ref}" if ctx.ref else ""))
     for r, order in rotations(["plain", "timed"], ctx.runs):
         for which in order:
             argv = [PY, "-m", "offtop.cli", *args] if which == "plain" else \
                 [PY, str(BENCH / "startup_breakdown.py"), *args]
             t0 = time.monotonic()
             bg = Background(["taskset", "-c", TRACER_CPU, *argv], f"startup-{which}",
-                            env={"OFFTOP_BENCH_T0": repr(t0)})
+                            env={"OFFTOP_BENCH_T0": repr(t0), **code_env}, cwd=code_dir)
             bg.wait_for(lambda line: True, timeout=60)
             assert bg.first_line_at is not None
             first = bg.first_line_at - t0
@@ -811,7 +815,7 @@ def bench_startup(ctx: Ctx) -> dict[str, Any]:
                     phases[k].append(at - prev)
                     prev = at
         say(f"  round {r + 1}: plain={plain[-1]:.3f}s (peak RSS {peak[-1]:.0f} MB) timed={timed[-1]:.3f}s")
-    first_interval = _first_interval_s()
+    first_interval = _first_interval_s(code_dir)
     print("\n4. Start-up: launch to the first JSON line of `offtop --batch --format json --count 1`")
     d = Dist(tuple(plain))
     pk = Dist(tuple(peak))
@@ -824,14 +828,14 @@ def bench_startup(ctx: Ctx) -> dict[str, Any]:
     return {"runs": ctx.runs, "first_snapshot_s": d.json(), "peak_rss_mb": pk.json(),
             "timed_first_snapshot_s": Dist(tuple(timed)).json(),
             "phases_s": {k: Dist(tuple(v)).json() for k, v in phases.items()},
-            "first_interval_s": first_interval}
+            "first_interval_s": first_interval, "code": ctx.ref or "working tree"}
 
 
-def _first_interval_s() -> float | None:
+def _first_interval_s(cwd: Path = ROOT) -> float | None:
     """EngineConfig.first_interval_s, if the engine has one (None: a full interval)."""
     r = subprocess.run([PY, "-c", "from offtop.bpf.engine import EngineConfig as C; "
                         "print(getattr(C(), 'first_interval_s', None))"],
-                       capture_output=True, text=True, cwd=ROOT)
+                       capture_output=True, text=True, cwd=cwd)
     text = r.stdout.strip()
     return None if text in ("", "None") else float(text)
 
@@ -931,7 +935,7 @@ def bench_busy(ctx: Ctx) -> dict[str, Any]:
     out = OUT / "busy.json"
     out.unlink(missing_ok=True)
     argv = [PY, str(BENCH / "busy_server.py"), "--runs", str(ctx.busy_runs), "--json", str(out),
-            "--no-readme", *(["--quick"] if ctx.quick else [])]
+            "--no-readme", *(["--quick"] if ctx.quick else []), *(["--ref", ctx.ref] if ctx.ref else [])]
     say(f"busy: {' '.join(argv[1:])}")
     r = subprocess.run(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT, timeout=3600)
     if r.returncode != 0 or not out.exists():
@@ -985,7 +989,9 @@ def summary_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
 
     def when(b: str) -> str:
         e = res.get(b, {})
-        return f"{e.get('date', '?')}{' (quick)' if e.get('quick') else ''}"
+        code = (e.get("result") or {}).get("code", "working tree")
+        return (f"{e.get('date', '?')}{' (quick)' if e.get('quick') else ''}"
+                + ("" if code == "working tree" or code.startswith("working tree") else f", offtop {code}"))
 
     def yes(ok: bool) -> str:
         return "**yes**" if ok else "**no**"
@@ -1080,8 +1086,9 @@ def busy_rows(b: dict[str, Any], run: str) -> list[tuple[str, str, str, str, str
     rows: list[tuple[str, str, str, str, str]] = []
     tools = b.get("tools", {})
     load = b.get("load", {})
-    at = (f"at {load['blocks_per_s']['median'] / 1e3:.0f}k blocks/s, "
-          f"~{load['switches_per_s']['median'] / 1e3:.0f}k switches/s" if load else "")
+    machine_sw = b.get("machine_switches_per_s", {}).get("median", 0)
+    at = (f"at {load['blocks_per_s']['median'] / 1e3:.0f}k blocks/s "
+          f"({machine_sw / 1e3:.0f}k switches/s machine-wide)" if load else "")
     others = "; ".join(f"{label} {_dist(tools[n]['cpu_pct'], 1, 1)} %"
                        for n, label in (("top", "top -b -d 1"), ("htop", "htop -d 10"))
                        if "cpu_pct" in tools.get(n, {}))
@@ -1203,6 +1210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(A/B of a change, side by side); not written to the README")
     p.add_argument("--preempt", action="store_true",
                    help="switch: run pingpong as SCHED_OTHER (wakeups preempt: one block per round trip)")
+    p.add_argument("--ref", metavar="GIT-REF",
+                   help="startup, busy: run offtop from the code of GIT-REF (not the working tree)")
     p.add_argument("--no-readme", action="store_true", help="print only; keep results.json and README")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
@@ -1220,7 +1229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tools = build()
     ctx = Ctx(tools=tools, quick=args.quick, runs=runs, long_minutes=args.long, variants=variants,
               configs=args.configs.split(",") if args.configs else None, against=args.against,
-              batch_sched=not args.preempt, busy_runs=args.runs or (2 if args.quick else 3))
+              batch_sched=not args.preempt, busy_runs=args.runs or (2 if args.quick else 3), ref=args.ref)
     experimental = bool(variants or args.configs or args.against or args.preempt)
     res: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     res["machine"] = machine()

@@ -1,17 +1,18 @@
 """The offtop TUI: a live, top-like view of off-CPU time.
 
-Data flows one way. A thread worker owns the `SnapshotSource`: it starts it
-(compiling BPF can take a second; the screen shows at once, loading), then
-asks it for one snapshot per interval, indexes it (`SnapshotIndex`: stacks
-by thread and process, the facts of every callchain) and sums it since the
-start, off the event loop, and posts it as one `SnapshotReady` message. A
-backlog of those collapses to the newest (`can_replace`); long blocks,
-counts and notices of every snapshot wait in `Arrivals`, so none is lost.
+Data flows one way. `SnapshotPump` owns the `SnapshotSource` in a thread
+worker: it starts it (compiling BPF can take a second; the screen shows at
+once, loading), then asks it for one snapshot per interval, indexes it
+(`SnapshotIndex`: stacks by thread and process, the facts of every
+callchain), adds it to the since-start totals, off the event loop, and posts
+it as one `SnapshotReady` message. A backlog of those collapses to the
+newest (`can_replace`); the long blocks, counts and notices of every
+snapshot wait in `Arrivals`, so none is lost.
 
 The app assigns the newest index to a reactive inside `batch_update()`, and
 data binding pushes it, with the display toggles, down to the panes; each
-pane diffs it in and sets its own title. The app itself only wires: keys
-to actions, a pane's message to another pane. The UI never blocks on the
+pane diffs it in and sets its own title. The app itself only wires keys to
+actions and one pane's messages to another. The UI never blocks on the
 source, except for `set_threshold` (a map write) and `blocked_waits` (reads
 of a memory-mapped array), both meant to be called from here.
 """
@@ -31,7 +32,7 @@ from typing import ClassVar
 
 from rich.console import RenderableType
 from rich.text import Text
-from textual import on, work
+from textual import on
 from textual.actions import SkipAction
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
@@ -48,16 +49,17 @@ from offtop.source import BlockedWaits, SnapshotSource, SourceInfo
 from offtop.units import format_ns
 from offtop.widgets.arrivals import Arrivals, Taken
 from offtop.widgets.blocked_now import BlockedNowTable
-from offtop.widgets.choice_screen import ChoiceScreen
+from offtop.widgets.export_screen import export_view
+from offtop.widgets.filter_input import FilterInput
 from offtop.widgets.header import OfftopHeader
 from offtop.widgets.help_screen import HelpScreen, help_sections
 from offtop.widgets.key_bar import KeyBar
 from offtop.widgets.long_blocks_log import LongBlocksLog
-from offtop.widgets.stacks_pane import Scope, StacksPane, ViewData
+from offtop.widgets.scopes import Scope
+from offtop.widgets.stacks_pane import StacksPane
 from offtop.widgets.task_table import COLUMN_TITLES, SORT_CYCLE, TaskTable
 from offtop.widgets.threshold_pane import ThresholdPane
 from offtop.widgets.threshold_slider import step_down, step_up
-from offtop.widgets.view_export import FORMATS, write_view
 
 #: The actions the command palette offers (by binding id), besides sorts and presets.
 PALETTE = ("app.pause", "app.processes", "app.follow", "app.all_stacks", "app.flame",
@@ -100,6 +102,55 @@ class SourceEnded(Message):
     """The source has no more snapshots (a replay ran out, a run is over, or we stop)."""
 
 
+class SnapshotPump:
+    """Runs the source in a worker thread and posts what it gives to the app.
+
+    Everything a snapshot costs before it can be shown happens here, off the
+    event loop: its index, the since-start totals, the queue of what it
+    brought. `stopping` ends the thread at its next wait.
+    """
+
+    def __init__(self, app: App[int], source: SnapshotSource, interval_s: float) -> None:
+        self.app = app
+        self.source = source
+        self.interval_s = interval_s
+        self.stopping = threading.Event()
+        self.catalog = ChainCatalog()
+        self.since_start = SinceStart()
+        self.arrivals = Arrivals(max_blocks=LongBlocksLog.MAX_LINES)
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        self.app.run_worker(self._run, name="source", group="source", thread=True,
+                            exclusive=True, exit_on_error=False)
+
+    def _run(self) -> None:
+        worker = get_current_worker()
+        try:
+            self.source.start()
+        except Exception as error:
+            self.app.post_message(SourceFailed(error, started=False))
+            return
+        self.app.post_message(SourceStarted())
+        while not self.stopping.is_set() and not worker.is_cancelled:
+            try:
+                snap = self.source.next_snapshot(self.interval_s, self.stopping)
+            except Exception as error:
+                self.app.post_message(SourceFailed(error, started=True))
+                return
+            if snap is None:
+                break
+            self.publish(snap)
+        self.app.post_message(SourceEnded())
+
+    def publish(self, snap: Snapshot) -> None:
+        """Index a snapshot, add it up, queue what it brought, post it (any thread)."""
+        index = SnapshotIndex(snap, self.catalog)
+        self.since_start.add(index)
+        self.arrivals.put(snap)
+        self.app.post_message(SnapshotReady(index))
+
+
 class ExitSignals:
     """SIGTERM and SIGHUP end the app cleanly (terminal restored), as `q` does."""
 
@@ -129,6 +180,16 @@ class ExitSignals:
         self.installed.clear()
 
 
+def failure_text(error: BaseException, *, started: bool) -> Text:
+    """What the screen says when the capture could not start or stopped."""
+    text = Text("The capture stopped:\n\n" if started
+                else "offtop could not start the capture:\n\n", style="bold")
+    # An error may quote what a process controls (a path, a name): escaped.
+    text.append(f"{type(error).__name__}: {printable_lines(str(error))}", style="#ff6b6b")
+    text.append("\n\nPress q to quit.", style="dim")
+    return text
+
+
 class OfftopApp(App[int]):
     """Where threads spend their time off the CPU, live.
 
@@ -149,54 +210,44 @@ class OfftopApp(App[int]):
         Binding("ctrl+c", "quit", "Quit", show=False, priority=True, id="app.quit_ctrl_c"),
         Binding("f1", "help", "Help", key_display="F1", tooltip="This help", id="app.help"),
         Binding("question_mark", "help", "Help", show=False, key_display="?", id="app.help_q"),
-        Binding("p", "toggle_pause", "Pause",
-                tooltip="Pause / resume the display (data keeps accumulating)", id="app.pause"),
+        Binding("p", "toggle_pause", "Pause", id="app.pause",
+                tooltip="Pause / resume the display (data keeps accumulating)"),
         Binding("space", "toggle_pause", "Pause", show=False, id="app.pause_space"),
-        Binding("slash", "filter", "Filter", key_display="/",
-                tooltip="Filter by name, pid or frame text (the flame graph highlights it)",
-                id="app.filter"),
+        Binding("slash", "filter", "Filter", key_display="/", id="app.filter",
+                tooltip="Filter by name, pid or frame text (the flame graph highlights it)"),
         Binding("f3", "filter", "Filter", show=False, key_display="F3", id="app.filter_f3"),
-        Binding("s", "cycle_sort", "Sort", tooltip="Sort the task table by the next column",
-                id="app.sort"),
+        Binding("s", "cycle_sort", "Sort", tooltip="Sort by the next column", id="app.sort"),
         Binding("f6", "sort_menu", "Sort by…", show=False, key_display="F6",
-                tooltip="Choose the sort column",
-                id="app.sort_menu"),
-        Binding("t", "toggle_processes", "Threads/procs", tooltip="Rank threads or processes",
-                id="app.processes"),
-        Binding("F", "toggle_follow", "Follow", show=False,
-                tooltip="The cursor follows its task across re-sorts (else keeps its row)",
-                id="app.follow"),
-        Binding("a", "toggle_all_stacks", "All stacks",
-                tooltip="Stacks pane: the selected task's stacks, or all tasks' stacks",
-                id="app.all_stacks"),
-        Binding("f", "toggle_flame", "Flame", tooltip="Flame graph of the stacks pane's scope",
+                tooltip="Choose the sort column", id="app.sort_menu"),
+        Binding("t", "toggle('processes')", "Threads/procs", id="app.processes",
+                tooltip="Rank threads or processes"),
+        Binding("F", "toggle('follow')", "Follow", show=False, id="app.follow",
+                tooltip="The cursor follows its task across re-sorts (else keeps its row)"),
+        Binding("a", "stacks('all_tasks')", "All stacks", id="app.all_stacks",
+                tooltip="Stacks pane: the selected task's stacks, or all tasks' stacks"),
+        Binding("f", "flame", "Flame", tooltip="Flame graph of the stacks pane's scope",
                 id="app.flame"),
-        Binding("i", "toggle_idle", "Idle", show=False,
-                tooltip="Hide idle waits (poll, epoll_wait, select, wait4, idle pool workers)",
-                id="app.idle"),
-        Binding("m", "cycle_merge", "Merge", show=False,
-                tooltip="Merge identical stacks: off, across threads, across one command",
-                id="app.merge"),
-        Binding("c", "toggle_cumulative", "Since start", show=False,
-                tooltip="Stacks pane: since offtop started, or the last interval",
-                id="app.cumulative"),
-        Binding("w", "export", "Write", show=False,
-                tooltip="Write the stacks pane's view to a file (folded, pprof, speedscope)",
-                id="app.export"),
-        Binding("plus", "threshold_up", "Threshold", key_display="+", priority=True,
+        Binding("i", "toggle('hide_idle')", "Idle", show=False, id="app.idle",
+                tooltip="Hide idle waits (poll, epoll_wait, select, wait4, idle pool workers)"),
+        Binding("m", "merge", "Merge", show=False, id="app.merge",
+                tooltip="Merge identical stacks: off, across threads, across one command"),
+        Binding("c", "stacks('cumulative')", "Since start", show=False, id="app.cumulative",
+                tooltip="Stacks pane: since offtop started, or the last interval"),
+        Binding("w", "export", "Write", show=False, id="app.export",
+                tooltip="Write the stacks pane's view to a file (folded, pprof, speedscope)"),
+        Binding("plus", "threshold(1)", "Threshold", key_display="+", priority=True,
                 tooltip="Raise the long-block threshold one step", id="app.threshold_up"),
-        Binding("equals_sign", "threshold_up", "Threshold up", show=False, key_display="=",
+        Binding("equals_sign", "threshold(1)", "Threshold up", show=False, key_display="=",
                 priority=True, id="app.threshold_up_eq"),
-        Binding("minus", "threshold_down", "Threshold down", show=False, key_display="-",
+        Binding("minus", "threshold(-1)", "Threshold down", show=False, key_display="-",
                 priority=True, tooltip="Lower the long-block threshold one step",
                 id="app.threshold_down"),
-        Binding("K", "toggle_kernel", "Kernel frames", show=False,
+        Binding("K", "toggle('show_kernel')", "Kernel frames", show=False,
                 tooltip="Show / hide kernel frames", id="app.kernel"),
-        Binding("U", "toggle_user", "User frames", show=False,
+        Binding("U", "toggle('show_user')", "User frames", show=False,
                 tooltip="Show / hide user frames", id="app.user"),
-        Binding("escape", "go_back", "Back", show=False,
-                tooltip="Close the filter, leave the tree or flame graph, back to the tasks",
-                id="app.back"),
+        Binding("escape", "go_back", "Back", show=False, id="app.back",
+                tooltip="Close the filter, leave the tree or flame graph, back to the tasks"),
         Binding("tab", "focus_next", "Next pane", show=False, id="app.next_pane"),
         Binding("shift+tab", "focus_previous", "Previous pane", show=False,
                 id="app.previous_pane"),
@@ -208,14 +259,16 @@ class OfftopApp(App[int]):
     """What the source says it captures (bound to the header)."""
     loading: var[bool] = var(True, init=False)
     """No snapshot yet, and the source neither failed nor ended."""
-    stalled_s: var[float] = var(0.0, init=False)
-    """How long a running source has been late with its snapshot (0: not late)."""
+    status: var[str] = var("starting", init=False)
+    """`starting`, `running`, `ended` or `failed`."""
     index: var[SnapshotIndex] = var(SnapshotIndex.empty, init=False)
     """The snapshot on screen, with its lookups (bound to every pane)."""
     arrived: var[Taken | None] = var(None, init=False, always_update=True)
     """What arrived with the snapshots since the last one shown (bound to the log)."""
     notices: var[tuple[str, ...]] = var((), init=False)
     """The latest news about the capture's scope (bound to the header)."""
+    stalled_s: var[float] = var(0.0, init=False)
+    """How long a running source has been late with its snapshot (0: not late)."""
     paused: var[bool] = var(False, init=False)
     """The display is frozen (data keeps accumulating in the source)."""
     behind: var[int] = var(0, init=False)
@@ -229,13 +282,11 @@ class OfftopApp(App[int]):
     hide_idle: var[bool] = var(False, init=False)
     """Idle waits are left out (see `offtop.model.is_idle_wait`)."""
     show_kernel: var[bool] = var(True, init=False)
-    """Kernel frames are shown."""
+    """Kernel frames are shown (never both hidden)."""
     show_user: var[bool] = var(True, init=False)
-    """User frames are shown."""
+    """User frames are shown (never both hidden)."""
     threshold_ns: var[int] = var(0, init=False)
     """The long-block threshold in force in the source."""
-    status: var[str] = var("starting", init=False)
-    """`starting`, `running`, `ended` or `failed`."""
 
     def __init__(self, source: SnapshotSource, *, interval_s: float = 1.0,
                  clock: Callable[[], float] | None = None, freeze_gc: bool = False,
@@ -243,9 +294,9 @@ class OfftopApp(App[int]):
         super().__init__()
         self.source = source
         self.interval_s = interval_s
+        self.pump = SnapshotPump(self, source, interval_s)
         #: Measures how late the source is (the header warns after 3 intervals).
         self.clock = clock or time.monotonic
-        self._arrived = self.clock()
         #: Once the first snapshot is on screen, move everything alive then out
         #: of the cyclic GC's full passes (for the process that owns the app).
         self.freeze_gc = freeze_gc
@@ -255,15 +306,16 @@ class OfftopApp(App[int]):
         self.source_error: BaseException | None = None
         #: Snapshots received from the source (shown or not).
         self.received = 0
-        #: Set when the app stops: the source thread ends at its next wait.
-        self.stopping = threading.Event()
-        self.catalog = ChainCatalog()
-        self.since_start = SinceStart()
-        self.arrivals = Arrivals(max_blocks=LongBlocksLog.MAX_LINES)
-        self._held: SnapshotIndex | None = None
         self.signals = ExitSignals(self.exit)
+        self._arrived = self.clock()
+        self._held: SnapshotIndex | None = None
         self.set_reactive(OfftopApp.threshold_ns, source.threshold_ns)
         self.set_reactive(OfftopApp.info, source.info)
+
+    @property
+    def stopping(self) -> threading.Event:
+        """Set once the app stops: the source thread ends at its next wait."""
+        return self.pump.stopping
 
     @property
     def snapshot(self) -> Snapshot | None:
@@ -284,10 +336,11 @@ class OfftopApp(App[int]):
         with Horizontal(id="main"):
             with Vertical(id="left"):
                 yield TaskTable(id="tasks-pane", classes="pane").data_bind(
-                    app.index, app.processes, app.filter_text, app.hide_idle, app.loading,
+                    app.index, app.processes, app.filter_text, app.hide_idle,
                     follow_task=app.follow)
-                yield StacksPane(self.since_start, id="stacks-pane", classes="pane").data_bind(
-                    app.index, app.show_kernel, app.show_user, app.hide_idle, app.filter_text)
+                yield StacksPane(self.pump.since_start, id="stacks-pane", classes="pane"
+                                 ).data_bind(app.index, app.show_kernel, app.show_user,
+                                             app.hide_idle, app.filter_text)
             with Vertical(id="right"):
                 yield BlockedNowTable(waits, id="blocked", classes="pane").data_bind(
                     app.index, app.show_kernel, app.show_user, app.hide_idle, app.paused)
@@ -296,8 +349,7 @@ class OfftopApp(App[int]):
                                         ).data_bind(value_ns=app.threshold_ns)
                     yield LongBlocksLog(id="long-blocks", classes="pane").data_bind(
                         app.arrived, app.threshold_ns, app.show_kernel, app.show_user)
-        yield Input(placeholder="filter: name, pid or frame text · Enter keeps · Esc clears",
-                    id="filter", compact=True)
+        yield FilterInput(id="filter")
         yield Static(id="error")
         yield KeyBar(id="keys")
 
@@ -305,7 +357,7 @@ class OfftopApp(App[int]):
         self.add_class("-loading")
         self.signals.install()
         self.set_interval(1.0, self._check_stall)
-        self._run_source()
+        self.pump.start()
 
     def on_unmount(self) -> None:
         self.stopping.set()
@@ -317,39 +369,33 @@ class OfftopApp(App[int]):
         self.stopping.set()
         super().exit(result, return_code, message)
 
-    # --- the source thread ----------------------------------------------------
-
-    @work(thread=True, exclusive=True, name="source", group="source", exit_on_error=False)
-    def _run_source(self) -> None:
-        """Own the source: start it, then post one snapshot per interval."""
-        worker = get_current_worker()
-        try:
-            self.source.start()
-        except Exception as error:
-            self.post_message(SourceFailed(error, started=False))
-            return
-        self.post_message(SourceStarted())
-        while not self.stopping.is_set() and not worker.is_cancelled:
-            try:
-                snap = self.source.next_snapshot(self.interval_s, self.stopping)
-            except Exception as error:
-                self.post_message(SourceFailed(error, started=True))
-                return
-            if snap is None:
-                break
-            self.publish(snap)
-        self.post_message(SourceEnded())
-
     def publish(self, snap: Snapshot) -> None:
-        """Hand a snapshot to the UI (from any thread): index it, add it to the
-        since-start totals, queue what it brought, post one message. Tests and
-        the benchmark call it too."""
-        index = SnapshotIndex(snap, self.catalog)
-        self.since_start.add(index)
-        self.arrivals.put(snap)
-        self.post_message(SnapshotReady(index))
+        """Hand a snapshot to the UI as the source thread does (tests, the benchmark)."""
+        self.pump.publish(snap)
 
-    # --- source messages ------------------------------------------------------
+    # --- watchers -----------------------------------------------------------------
+
+    def watch_paused(self, paused: bool) -> None:
+        self.set_class(paused, "-paused")
+        if not paused and self._held is not None:
+            self._show(self._held)
+
+    def watch_loading(self, loading: bool) -> None:
+        self.set_class(loading, "-loading")
+        if not loading and self.screen.focused is None:
+            self.query_one(TaskTable).focus()  # it could not take the focus while loading
+
+    def watch_status(self, status: str) -> None:
+        if status in ("failed", "ended"):
+            self.loading = False
+
+    def watch_show_kernel(self, show: bool) -> None:
+        self.show_user = self.show_user or not show  # never both hidden
+
+    def watch_show_user(self, show: bool) -> None:
+        self.show_kernel = self.show_kernel or not show
+
+    # --- messages -------------------------------------------------------------------
 
     def on_source_started(self, _: SourceStarted) -> None:
         self.info = self.source.info
@@ -360,18 +406,13 @@ class OfftopApp(App[int]):
     def on_source_failed(self, message: SourceFailed) -> None:
         self.source_error = message.error
         self.status = "failed"
-        # An error may quote what a process controls (a path, a name): escaped.
-        error = printable_lines(str(message.error))
-        if self.snapshot is not None:
-            self.notify(error, title="capture stopped", severity="error", timeout=3600,
-                        markup=False)
-            return
-        text = Text("offtop could not start the capture:\n\n" if not message.started
-                    else "The capture stopped:\n\n", style="bold")
-        text.append(f"{type(message.error).__name__}: {error}", style="#ff6b6b")
-        text.append("\n\nPress q to quit.", style="dim")
-        self.query_one("#error", Static).update(text)
-        self.add_class("-failed")
+        if self.snapshot is None:
+            self.query_one("#error", Static).update(
+                failure_text(message.error, started=message.started))
+            self.add_class("-failed")
+        else:
+            self.notify(printable_lines(str(message.error)), title="capture stopped",
+                        severity="error", timeout=3600, markup=False)
 
     def on_source_ended(self, _: SourceEnded) -> None:
         if self.status != "failed" and not self.stopping.is_set():
@@ -392,7 +433,7 @@ class OfftopApp(App[int]):
     def _show(self, index: SnapshotIndex) -> None:
         self._held = None
         self._arrived = self.clock()
-        taken = self.arrivals.take()
+        taken = self.pump.arrivals.take()
         with self.batch_update():
             if self.loading:
                 self.loading = False
@@ -404,37 +445,11 @@ class OfftopApp(App[int]):
             if taken.notices:
                 self.notices = taken.notices[-3:]
 
-    # --- watchers ---------------------------------------------------------------
-
-    def watch_paused(self, paused: bool) -> None:
-        self.set_class(paused, "-paused")
-        if not paused and self._held is not None:
-            self._show(self._held)
-
-    def watch_loading(self, loading: bool) -> None:
-        self.set_class(loading, "-loading")
-        if not loading and self.screen.focused is None:
-            self.query_one(TaskTable).focus()  # it could not take the focus while loading
-
-    def watch_status(self, status: str) -> None:
-        if status in ("failed", "ended"):
-            self.loading = False
-
     def _check_stall(self) -> None:
-        """A live source more than three intervals late is said to be (not when paused)."""
+        """A running source more than three intervals late is said to be."""
         late = self.clock() - self._arrived
         running = self.status == "running" and not self.paused
         self.stalled_s = late if running and late > 3 * self.interval_s else 0.0
-
-    def watch_show_kernel(self, show: bool) -> None:
-        if not (show or self.show_user):
-            self.show_user = True  # hiding both would leave nothing: bring the other back
-
-    def watch_show_user(self, show: bool) -> None:
-        if not (show or self.show_kernel):
-            self.show_kernel = True
-
-    # --- messages from the panes ----------------------------------------------------
 
     @on(TaskTable.TaskHighlighted)
     def _task_highlighted(self, event: TaskTable.TaskHighlighted) -> None:
@@ -479,22 +494,32 @@ class OfftopApp(App[int]):
     def _filter_changed(self, event: Input.Changed) -> None:
         self.filter_text = event.value
 
-    @on(Input.Submitted, "#filter")
-    def _filter_submitted(self, event: Input.Submitted) -> None:
-        if not event.value:
-            self._close_filter()
+    @on(FilterInput.Done)
+    def _filter_done(self) -> None:
         self.query_one(TaskTable).focus()
 
-    def _close_filter(self) -> None:
-        self.query_one("#filter", Input).value = ""
-        self.remove_class("-filtering")
-        self.filter_text = ""
-
-    # --- actions --------------------------------------------------------------------
+    # --- actions ----------------------------------------------------------------------
 
     def action_toggle_pause(self) -> None:
         """Freeze or unfreeze the display."""
         self.paused = not self.paused
+
+    def action_stacks(self, name: str) -> None:
+        """Flip one of the stacks pane's switches (all tasks, since start)."""
+        pane = self.query_one(StacksPane)
+        setattr(pane, name, not getattr(pane, name))
+
+    def action_flame(self) -> None:
+        """The flame graph of the stacks pane's scope, or back."""
+        self.query_one(StacksPane).toggle_flame()
+
+    def action_merge(self) -> None:
+        """Merge identical stacks: off, across a process's threads, across a command."""
+        self.query_one(StacksPane).cycle_merge()
+
+    def action_export(self) -> None:
+        """Write the stacks pane's view to a file (the format is asked first)."""
+        export_view(self, self.query_one(StacksPane).view_data(), self.export_dir)
 
     def action_cycle_sort(self) -> None:
         """Sort the task table by the next column."""
@@ -507,102 +532,27 @@ class OfftopApp(App[int]):
     def action_sort_menu(self) -> None:
         """F6: choose the sort column from a menu."""
         table = self.query_one(TaskTable)
-        choices = [(c, COLUMN_TITLES[c]) for c, _ in SORT_CYCLE if c in table.column_keys]
-        self.push_screen(ChoiceScreen("Sort by", choices, current=table.sort_spec.column),
-                         lambda column: table.sort_by(column) if column else None)
+        self.push_screen(table.sort_menu(), lambda column: table.sort_by(column) if column else None)
 
-    def action_toggle_processes(self) -> None:
-        """Rank threads or processes."""
-        self.processes = not self.processes
-
-    def action_toggle_follow(self) -> None:
-        """The cursor follows its task, or keeps its row."""
-        self.follow = not self.follow
-
-    def action_toggle_all_stacks(self) -> None:
-        """Stacks of the selected task, or of all tasks."""
-        pane = self.query_one(StacksPane)
-        pane.all_tasks = not pane.all_tasks
-
-    def action_toggle_flame(self) -> None:
-        """The flame graph of the stacks pane's scope, or back."""
-        self.query_one(StacksPane).toggle_flame()
-
-    def action_toggle_idle(self) -> None:
-        """Hide or show idle waits."""
-        self.hide_idle = not self.hide_idle
-        self.notify("idle waits hidden" if self.hide_idle else "idle waits shown", timeout=2)
-
-    def action_cycle_merge(self) -> None:
-        """Merge identical stacks: off, across a process's threads, across a command."""
-        pane = self.query_one(StacksPane)
-        pane.cycle_merge()
-        self.notify(f"stacks merged by {pane.merge}" if pane.merge != "none"
-                    else "stacks not merged", timeout=2)
-
-    def action_toggle_cumulative(self) -> None:
-        """Stacks since offtop started, or of the last interval."""
-        pane = self.query_one(StacksPane)
-        pane.cumulative = not pane.cumulative
-
-    def action_export(self) -> None:
-        """Write the stacks pane's view to a file: ask the format first."""
-        view = self.query_one(StacksPane).view_data()
-
-        def chosen(fmt: str | None) -> None:
-            if fmt:
-                self._export(view, fmt)
-
-        self.push_screen(ChoiceScreen("Write the view as",
-                                      [(f, d) for f, (d, _) in FORMATS.items()]), chosen)
-
-    @work(thread=True, group="export", exit_on_error=False)
-    def _export(self, view: ViewData, fmt: str) -> None:
-        """Write the file off the event loop; say where, or why not."""
-        try:
-            path = write_view(view, fmt, self.export_dir)
-        except (OSError, ValueError) as error:
-            self.notify(f"could not write the view: {error}", severity="error", markup=False)
-            return
-        self.notify(f"{len(view.stacks):,} stacks written to {printable_lines(str(path))}",
-                    title="view written", timeout=10, markup=False)
-
-    def action_threshold_up(self) -> None:
-        """Raise the long-block threshold one step."""
-        if isinstance(self.focused, Input):
-            raise SkipAction()  # "+" is typed text there
-        self.set_threshold(step_up(self.threshold_ns))
-
-    def action_threshold_down(self) -> None:
-        """Lower the long-block threshold one step."""
+    def action_threshold(self, steps: int) -> None:
+        """The long-block threshold one step up or down (typed text in an input)."""
         if isinstance(self.focused, Input):
             raise SkipAction()
-        self.set_threshold(step_down(self.threshold_ns))
-
-    def action_toggle_kernel(self) -> None:
-        """Show or hide kernel frames."""
-        self.show_kernel = not self.show_kernel
-
-    def action_toggle_user(self) -> None:
-        """Show or hide user frames."""
-        self.show_user = not self.show_user
+        self.set_threshold((step_up if steps > 0 else step_down)(self.threshold_ns))
 
     def action_filter(self) -> None:
-        """Open the filter input."""
-        self.add_class("-filtering")
-        self.query_one("#filter", Input).focus()
+        """Open the filter line."""
+        self.query_one(FilterInput).open()
 
     def action_go_back(self) -> None:
-        """Esc: close the filter, leave the tree or flame graph, back to the tasks."""
+        """Esc: leave the tree or flame graph, else clear the filter; back to the tasks."""
         pane = self.query_one(StacksPane)
-        if self.query_one("#filter", Input).has_focus:
-            self._close_filter()
-        elif pane.back():
+        if pane.back():
             if pane.all_tasks:  # back where the drill started: all tasks' stacks
                 pane.visible_child().focus()
                 return
-        elif self.has_class("-filtering"):
-            self._close_filter()
+        else:
+            self.query_one(FilterInput).close()
         self.query_one(TaskTable).focus()
 
     def action_help(self) -> None:
@@ -611,7 +561,7 @@ class OfftopApp(App[int]):
             self.push_screen(HelpScreen(help_sections(self.BINDINGS)))
 
     def get_system_commands(self, screen: Screen[object]) -> Iterable[SystemCommand]:
-        """Textual's commands, plus offtop's (every action with a tooltip, sorts, presets)."""
+        """Textual's commands, plus offtop's switches, sorts and threshold presets."""
         yield from super().get_system_commands(screen)
         for b in self.BINDINGS:
             if isinstance(b, Binding) and b.id in PALETTE:

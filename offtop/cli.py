@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from offtop.batch import make_format, run_batch
+from offtop.bpf.config import EngineError
 from offtop.bpf.environment import EnvironmentProblem, check_host_view, memory_problem
 from offtop.cli_args import (
     EXIT_FAILURE,
@@ -89,8 +90,6 @@ def _main(streams: StdStreams, argv: list[str], fail: Callable[[str, int], int])
 
 
 def _run(streams: StdStreams, run: _Run, fail: Callable[[str, int], int]) -> int:
-    from offtop.bpf.engine import EngineError
-
     try:
         if run.args.batch:
             return _run_batch(streams, run)
@@ -115,7 +114,6 @@ def _run(streams: StdStreams, run: _Run, fail: Callable[[str, int], int]) -> int
 
 def _prepare(streams: StdStreams, argv: list[str], cleanup: contextlib.ExitStack) -> _Run:
     """Check every option and open every file; what is opened is closed by `cleanup`."""
-    from offtop.bpf.engine import BpfSource
     from offtop.export import CgroupNames
 
     parser = build_parser()
@@ -141,6 +139,8 @@ def _prepare(streams: StdStreams, argv: list[str], cleanup: contextlib.ExitStack
     cgroup_name = None if args.replay else CgroupNames()
     pusher = pusher_from_args(args, cgroup_name=cgroup_name)
     if not args.replay:
+        from offtop.bpf.engine import BpfSource  # bcc: only for a live capture
+
         source = BpfSource(cfg)
         cleanup.callback(source.close)
     out_fd = None

@@ -335,15 +335,19 @@ class JsonObject:
         v: dict[str, int] = self._get(name, _COUNTS, default)
         return v
 
+    def _inner(self, name: str) -> str:
+        # Rows and objects of a snapshot are named from the top: `tasks[3]`, `stats`.
+        return name if self._where == "snapshot" else f"{self._where}.{name}"
+
     def obj(self, name: str) -> JsonObject | None:
         """An optional object (absent or null: None)."""
         v = self._d.get(name)
-        return None if v is None else JsonObject(v, f"{self._where}.{name}")
+        return None if v is None else JsonObject(v, self._inner(name))
 
     def rows(self, name: str) -> Iterator[JsonObject]:
         """The objects of an optional list, each named `name[i]`."""
         v = self._d.get(name, _EMPTY)
-        prefix = name if self._where == "snapshot" else f"{self._where}.{name}"
+        prefix = self._inner(name)
         if type(v) is not list:
             raise SnapshotJsonError(f"{prefix}: expected a list, found {json_type(v)}")
         for i, row in enumerate(v):

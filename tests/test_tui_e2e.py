@@ -1,8 +1,11 @@
 """The TUI in a real terminal (tmux), against a known workload, driven by keys.
 
 What a new user does: start offtop, see the blocked task ranked with
-plausible times, drill into its callchain, move the threshold slider and
-see long blocks arrive, quit to a usable shell.
+plausible times and blocked right now for no longer than it really sleeps,
+drill into its callchain, move the threshold and see long blocks arrive,
+quit to a usable shell. The workload's thread sleeps 100 ms at a time in
+`offtop_wl_sleep`; its main thread waits in pthread_join from before offtop
+starts.
 """
 
 from __future__ import annotations
@@ -20,11 +23,31 @@ from tests.test_faults import Tmux
 
 pytestmark = [pytest.mark.bpf, pytest.mark.usefixtures("bpf_available")]
 
+_UNITS_MS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def _ms(text: str) -> float:
+    """`63.6ms`, `1.01s`, `~2.00s` as milliseconds."""
+    m = re.fullmatch(r"~?([\d.]+)(ns|us|ms|s)", text)
+    assert m, text
+    return float(m.group(1)) * _UNITS_MS[m.group(2)]
+
 
 def _row_of(screen: str, tid: int) -> str | None:
     """The task table's row of `tid` (PID, TID, COMM columns), if on screen."""
     return next((line for line in screen.splitlines()
                  if re.match(rf"^│\s*\d+\s+{tid}\s+offtop_workload", line)), None)
+
+
+def _blocked_wait(screen: str, pid: int, tid: int) -> str | None:
+    """The blocked-now wait of a thread (`63.6ms`, `~5.01s`), if listed."""
+    task = f"{pid}" if tid == pid else f"{pid}/{tid}"
+    m = re.search(rf"│\s*(~?[\d.]+(?:ns|us|ms|s))\s+[SD]\s+offtop_workload {task}\s", screen)
+    return m.group(1) if m else None
+
+
+def _header(screen: str) -> str:
+    return screen.splitlines()[1]
 
 
 def test_new_user_session_in_a_real_terminal(workloads: Any) -> None:
@@ -43,7 +66,7 @@ def test_new_user_session_in_a_real_terminal(workloads: Any) -> None:
         # off the CPU ~100% of each interval, in blocks of ~100 ms.
         assert wait_until(lambda: _row_of(tmux.screen(), w.tid) is not None, timeout=15), \
             tmux.screen()
-        # Blocks are counted when they end: an interval holds 9 to 11 of them.
+
         def pct() -> int:
             m = re.search(r"\b(\d+)%", _row_of(tmux.screen(), w.tid) or "")
             return int(m.group(1)) if m else -1
@@ -51,6 +74,22 @@ def test_new_user_session_in_a_real_terminal(workloads: Any) -> None:
         assert wait_until(lambda: 88 <= pct() <= 112, timeout=10), tmux.screen()
         row = _row_of(tmux.screen(), w.tid) or ""
         assert re.search(r"\b(9\d|1[0-4]\d)ms\b", row), row  # MAX: one ~100 ms block
+
+        # Blocked now: the sleeper's wait is read at every redraw, so it never
+        # shows more than one sleep (a guess from the last snapshot grew to
+        # 400, 600, 900 ms); its main thread, in pthread_join since before
+        # offtop started, shows an estimated (~) and growing wait.
+        waits = []
+        for _ in range(12):
+            screen = tmux.screen()
+            wait = _blocked_wait(screen, w.pid, w.tid)
+            if wait is not None:
+                waits.append(_ms(wait))
+            time.sleep(0.25)
+        assert len(waits) >= 6, tmux.screen()
+        assert max(waits) <= 250, waits
+        main = _blocked_wait(tmux.screen(), w.pid, w.pid)
+        assert main is not None and main.startswith("~"), tmux.screen()
 
         # Drill down: Enter on the selected task opens its callchain tree.
         tmux.run("send-keys", "-t", "t", "Enter")
@@ -60,21 +99,30 @@ def test_new_user_session_in_a_real_terminal(workloads: Any) -> None:
             "sleep_thread", "offtop_wl_sleep", "do_nanosleep")), timeout=5), tmux.screen()
         tmux.run("send-keys", "-t", "t", "Escape")
 
-        # The slider: the default 500 ms lets no 100 ms block through; three steps
-        # down (below 100 ms) and the workload's blocks arrive as events.
-        assert "≥ 500ms" in tmux.screen() or "500ms" in tmux.screen()
+        # The threshold: 500 ms by default, said in the header, the threshold
+        # box and the log's title; no 100 ms block gets through.
+        screen = tmux.screen()
+        assert re.search(r"\bthreshold 500ms\b", _header(screen)), screen
+        assert re.search(r"│ ≥ 500ms\s", screen) and "Long blocks ≥ 500ms" in screen, screen
+        assert not re.search(r"\d\d:\d\d:\d\d\.\d+ S\s+\d+(\.\d+)?ms offtop_workload", screen)
+        # Three steps down: 200, 100, 50 ms; the workload's blocks now arrive one by one.
         for _ in range(3):
             tmux.run("send-keys", "-t", "t", "-")
             time.sleep(0.2)
-        header = tmux.screen().splitlines()[1]
-        m = re.search(r"threshold (\S+)", header)
-        assert m and m.group(1) not in ("500ms",), header
+        assert wait_until(lambda: re.search(r"\bthreshold 50\.0ms\b", _header(tmux.screen()))
+                          is not None, timeout=5), tmux.screen()
+        assert wait_until(lambda: "Long blocks ≥ 50.0ms" in tmux.screen()
+                          and re.search(r"│ ≥ 50\.0ms\s", tmux.screen()) is not None,
+                          timeout=5), tmux.screen()
 
         def long_blocks_of_workload() -> int:
             return sum(1 for line in tmux.screen().splitlines()
-                       if re.search(r"\d\d:\d\d:\d\d\.\d+ S\s+(9\d|10\d)ms offtop_workload", line))
+                       if re.search(r"\d\d:\d\d:\d\d\.\d+ S\s+(9\d|10\d)(\.\d+)?ms "
+                                    rf"offtop_workload {w.pid}/{w.tid}", line))
 
         assert wait_until(lambda: long_blocks_of_workload() >= 3, timeout=10), tmux.screen()
+        assert wait_until(lambda: re.search(r"\b([3-9]|\d\d+) seen\b", tmux.screen())
+                          is not None, timeout=5), tmux.screen()
 
         # Quit: the shell is back, usable, offtop exited 0.
         tmux.run("send-keys", "-t", "t", "q")

@@ -41,6 +41,7 @@ from offtop.units import MAX_THRESHOLD_NS
 from offtop.widgets.blocked_now import BlockedNowTable
 from offtop.widgets.callchain_tree import CallchainTree, merge_stacks
 from offtop.widgets.choice_screen import ChoiceScreen
+from offtop.widgets.filter_input import FilterInput
 from offtop.widgets.flame_graph import FlameGraph, FlameTree
 from offtop.widgets.header import OfftopHeader
 from offtop.widgets.help_screen import HelpScreen
@@ -265,15 +266,13 @@ async def test_loading_state_until_the_source_starts() -> None:
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause(0.1)
         assert app.has_class("-loading") and app.loading
-        assert app.query_one(TaskTable).loading
         # The class has a rule: the empty panes are faded while loading.
-        assert app.query_one("#right").styles.opacity < 1
+        assert app.query_one("#main").styles.opacity < 1
         assert "compiling the BPF program" in header_text(app)
         src.release.set()
         await shown(pilot, app)
         assert not app.has_class("-loading")
-        assert not app.query_one(TaskTable).loading
-        assert app.query_one("#right").styles.opacity == 1
+        assert app.query_one("#main").styles.opacity == 1
         assert app.focused is app.query_one(TaskTable)
 
 
@@ -452,7 +451,7 @@ async def test_filter_by_name_pid_or_frame_text() -> None:
         await shown(pilot, app)
         table = app.query_one(TaskTable)
         await pilot.press("slash")
-        assert app.has_class("-filtering")
+        assert app.query_one(FilterInput).is_open
         await pilot.press(*"nginx")
         await pilot.pause()
         by_key = {t.key: t for t in SNAPS[0].tasks}
@@ -473,10 +472,10 @@ async def test_filter_by_name_pid_or_frame_text() -> None:
         await pilot.pause()
         stacks = shown_stacks(app)
         assert stacks and all(any(f.name == "tcp_recvmsg" for f in s.kernel) for s in stacks)
-        assert app.focused is table and app.has_class("-filtering")
+        assert app.focused is table and app.query_one(FilterInput).is_open
         await pilot.press("escape")
         await pilot.pause()
-        assert not app.has_class("-filtering") and app.filter_text == ""
+        assert not app.query_one(FilterInput).is_open and app.filter_text == ""
         assert len(table.row_keys_in_order) == len(SNAPS[0].tasks)
 
 
@@ -732,13 +731,13 @@ async def test_the_export_key_writes_the_view_and_says_where(fmt: str, tmp_path:
 
 async def test_blocked_now_waits_are_read_from_the_source_and_woken_tasks_said() -> None:
     src = FakeLiveWaits(SNAPS[:1], realtime=False, info=INFO)
+    src.waits = {b.tid: b.blocked_ns for b in SNAPS[0].blocked_now}
     app = OfftopApp(src, clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown(pilot, app)
         blocked = app.query_one(BlockedNowTable)
         first, second = SNAPS[0].blocked_now[0], SNAPS[0].blocked_now[1]
         assert blocked.tids == [b.tid for b in SNAPS[0].blocked_now]
-        src.waits = {b.tid: b.blocked_ns for b in SNAPS[0].blocked_now}
         src.waits[first.tid] = 5_500 * MS
         del src.waits[second.tid]  # ran meanwhile
         await until(pilot, lambda: "5.50s" in blocked.get_cell(first.tid, "wait").plain,
@@ -827,7 +826,7 @@ async def test_long_block_enter_opens_its_stack_and_marks_estimates() -> None:
         log.focus()
         await pilot.press("home", "enter")
         await pilot.pause()
-        assert app.drilled and "long block at" in title(pane(app))
+        assert app.drilled and "long block that ended at" in title(pane(app))
         assert f"{first.comm} {first.pid}" in title(pane(app))
 
 

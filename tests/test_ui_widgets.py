@@ -46,6 +46,7 @@ from offtop.widgets.render import (
     frame_text,
     task_label,
 )
+from offtop.widgets.scopes import ALL, NOTHING, Scope, ScopeStacks
 from offtop.widgets.stacks_pane import ViewData
 from offtop.widgets.task_table import SortSpec, TaskTable
 from offtop.widgets.threshold_pane import ThresholdInput, ThresholdPane
@@ -667,3 +668,52 @@ def test_written_views_never_overwrite_nor_follow_links(tmp_path: Path) -> None:
     (tmp_path / name).symlink_to(target)
     written = write_view(view, "pprof", tmp_path)
     assert written.name != name and target.read_text() == "precious"
+
+
+# --- scopes: whose stacks, and their names --------------------------------------------------
+
+def test_a_scope_keeps_an_idle_tasks_last_stacks_and_name() -> None:
+    snaps = synthetic_snapshots(2, tasks=20, stacks=40, seed=5)
+    first = SnapshotIndex(snaps[0])
+    task = snaps[0].tasks[0]
+    scopes = ScopeStacks()
+    scope = Scope.task(task.key)
+    scopes.seen(first, [task.key])
+    stacks, stale = scopes.stacks(scope, first)
+    assert stacks == list(snaps[0].stacks_of(task.tid)) and not stale
+    idle = SnapshotIndex(dataclasses.replace(
+        snaps[1], tasks=tuple(t for t in snaps[1].tasks if t.tid != task.tid),
+        stacks=tuple(s for s in snaps[1].stacks if s.tid != task.tid)))
+    assert scopes.stacks(scope, idle) == (stacks, True)
+    assert scopes.title(scope, idle).plain == f"{task.comm} {task.pid}" + (
+        "" if task.tid == task.pid else f"/{task.tid}")
+
+
+def test_a_scope_never_seen_in_a_row_is_named_by_its_stacks() -> None:
+    snap = synthetic_snapshots(1, tasks=20, stacks=40, seed=5)[0]
+    s = snap.stacks[0]
+    without_rows = SnapshotIndex(dataclasses.replace(snap, tasks=(), processes=()))
+    assert ScopeStacks().title(Scope.task(RowKey.thread(s.tid)), without_rows).plain == (
+        f"{s.comm} {s.pid}" + ("" if s.tid == s.pid else f"/{s.tid}"))
+    assert ScopeStacks().title(Scope.task(RowKey.thread(99999)), without_rows).plain == \
+        "thread 99999"
+
+
+def test_scopes_of_a_command_a_block_and_all_tasks() -> None:
+    snap = synthetic_snapshots(1, tasks=30, stacks=60, seed=6)[0]
+    index, scopes = SnapshotIndex(snap), ScopeStacks()
+    nginx, _ = scopes.stacks(Scope.command("nginx"), index)
+    assert nginx == [s for s in snap.stacks if s.comm == "nginx"]
+    assert scopes.title(Scope.command("ng[x]inx"), index).plain == "every ng[x]inx process"
+    blocked = snap.blocked_now[0]
+    stacks, _ = scopes.stacks(Scope.of_block(blocked), index)
+    assert [(s.tid, s.offcpu_ns, s.kernel, s.before_start) for s in stacks] == [
+        (blocked.tid, blocked.blocked_ns, blocked.kernel, blocked.before_start)]
+    assert "blocked now" in scopes.title(Scope.of_block(blocked), index).plain
+    everything, _ = scopes.stacks(ALL, index, text="TCP_RECVMSG")
+    assert everything and all(any(f.name == "tcp_recvmsg" for f in s.kernel)
+                              for s in everything)
+    assert scopes.stacks(NOTHING, index) == ([], False)
+    scopes.since = snap.stacks
+    since, _ = scopes.stacks(Scope.command("nginx"), index, cumulative=True)
+    assert since == nginx

@@ -161,11 +161,6 @@ class BlockedNowTable(LineTable[int]):
         else:
             self.border_subtitle = ""
 
-    def blocked_at_cursor(self) -> BlockedNow | None:
-        """The blocked task under the cursor."""
-        key = self.cursor_key
-        return self._blocked.get(key) if key is not None else None
-
     def on_line_table_row_selected(self, event: LineTable.RowSelected) -> None:
         """Enter: ask the app to open this block's stack."""
         event.stop()

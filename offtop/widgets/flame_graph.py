@@ -438,7 +438,7 @@ class FlameGraph(ScrollView, can_focus=True):
     #: The cursor: the bar's colours swapped, bold.
     CURSOR_STYLE: ClassVar[Style] = Style(reverse=True, bold=True)
     #: The border's subtitle: the keys.
-    HINTS: ClassVar[Text] = Text("←↑↓→ move · Enter/+ zoom in · Esc/- out · Home: all", end="")
+    HINTS: ClassVar[Text] = Text("←↑↓→ move · Enter zoom in · Esc out · Home: all", end="")
     #: Ancestors of the zoomed frame: shown, but faint.
     ABOVE_STYLE: ClassVar[Style] = Style(dim=True)
 

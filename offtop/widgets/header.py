@@ -45,12 +45,12 @@ def health_text(stats: CaptureStats) -> Text:
     _field(t, "lost", f"{stats.lost:,}", ERROR_STYLE if stats.lost else "")
     errors = stats.stack_errors_total
     _field(t, "stack errors", f"{errors:,}", WARN_STYLE if errors else "")
-    if stats.probe_runs:
-        _field(t, "probe", f"{stats.probe_ns_per_switch:.0f}ns/switch "
-                           f"({stats.switches_per_s:,.0f} sw/s, {stats.probe_cpu_pct:.2f}% CPU)")
     if stats.offtop_rss_bytes:
         _field(t, "offtop", f"{stats.offtop_cpu_pct:.1f}% CPU "
                             f"{stats.offtop_rss_bytes / 2**20:,.0f} MB")
+    if stats.probe_runs:
+        _field(t, "probe", f"{stats.probe_ns_per_switch:.0f}ns/switch "
+                           f"({stats.switches_per_s:,.0f} sw/s, {stats.probe_cpu_pct:.2f}% CPU)")
     return t
 
 

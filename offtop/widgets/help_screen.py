@@ -33,7 +33,8 @@ def help_sections(app_bindings: Sequence[BindingType]) -> list[HelpSection]:
     return [
         ("Everywhere", "htop's F-keys work too; + and - always move the threshold",
          app_bindings),
-        ("Tables", "arrows, PgUp/PgDn, Home/End; click a header to sort by it",
+        ("Tables", "arrows, PgUp/PgDn, Home/End; click a header to sort by it; Enter opens "
+                   "a task's or stack's tree, a blocked task's stack",
          [*LineTable.BINDINGS, *TaskTable.BINDINGS, *StackTable.BINDINGS,
           *BlockedNowTable.BINDINGS]),
         ("Callchain tree", "Enter/space expand or collapse; Esc goes back",
@@ -118,7 +119,7 @@ class HelpScreen(ModalScreen[None]):
 
     def _section(self, title: str, note: str, bindings: Sequence[BindingType]) -> ComposeResult:
         table = Table.grid(padding=(0, 2))
-        table.add_column(width=12, no_wrap=True)
+        table.add_column(width=14, no_wrap=True)
         table.add_column()
         for keys, desc in merged_bindings(bindings):
             shown = " / ".join(dict.fromkeys(self.key_display(b) for b in keys))

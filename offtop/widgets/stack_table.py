@@ -71,7 +71,7 @@ class StackTable(LineTable[StackKey]):
                    Column("max", "MAX", 6),
                    Column("chain", "CALLCHAIN (innermost first)", 24, flex=True)]
         if self.merged:
-            columns.insert(5, Column("tasks", "TASKS", 9))
+            columns.insert(5, Column("tasks", "TASKS", 7))
         if self.scope == "all":
             columns.insert(0, Column("task", "TASK", 24))
         self.set_columns(columns)
@@ -140,7 +140,7 @@ class StackTable(LineTable[StackKey]):
             assert isinstance(value, tuple)
             threads, processes = value
             text = f"{threads}t" if processes == 1 else f"{processes}p {threads}t"
-            return Text(text.rjust(9), style="dim" if threads == 1 else "", end="")
+            return Text(text.rjust(7), style="dim" if threads == 1 else "", end="")
         if column == "s":
             return state_text(str(value))
         if column == "share":

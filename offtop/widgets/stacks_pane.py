@@ -16,9 +16,9 @@ while the flame graph is on screen. It sets its own title and subtitle.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 from rich.text import Text
 from textual import on, work
@@ -28,22 +28,18 @@ from textual.reactive import reactive
 from textual.widgets import ContentSwitcher
 
 from offtop.model import (
-    BlockedNow,
-    LongBlock,
     MergeBy,
     MergedStack,
-    ProcessRow,
     RowKey,
     SinceStart,
     SnapshotIndex,
     StackRow,
-    TaskRow,
     merge_identical,
 )
 from offtop.units import format_ns
 from offtop.widgets.callchain_tree import CallchainTree, Path, stack_path
 from offtop.widgets.flame_graph import FlameGraph, FlameTree, GroupBy
-from offtop.widgets.render import clock_time, task_label, untrusted_text
+from offtop.widgets.scopes import ALL, Scope, ScopeStacks
 from offtop.widgets.stack_table import StackKey, StackTable
 
 View = Literal["stacks", "tree", "flame"]
@@ -51,45 +47,6 @@ View = Literal["stacks", "tree", "flame"]
 
 #: `m` cycles through these.
 MERGE_CYCLE: tuple[MergeBy, ...] = ("none", "process", "command")
-
-
-@dataclass(frozen=True, slots=True)
-class Scope:
-    """Whose stacks the pane shows."""
-
-    kind: Literal["none", "all", "task", "command", "block"]
-    """Nothing (no task selected), all tasks, a thread or process (`key`),
-    every process named `comm`, or one block on its own (`block`)."""
-    key: RowKey | None = None
-    comm: str = ""
-    block: StackRow | None = None
-    label: str = ""
-    """What `block` is ("blocked now", "long block")."""
-
-    @classmethod
-    def task(cls, key: RowKey | None) -> Scope:
-        """A thread or a process (nothing if `key` is None)."""
-        return cls("task", key=key) if key is not None else NOTHING
-
-    @classmethod
-    def command(cls, comm: str) -> Scope:
-        """Every process named `comm`."""
-        return cls("command", comm=comm)
-
-    @classmethod
-    def of_block(cls, block: BlockedNow | LongBlock) -> Scope:
-        """A block on its own: a task blocked now, or a long block."""
-        ns = block.blocked_ns if isinstance(block, BlockedNow) else block.duration_ns
-        row = StackRow(pid=block.pid, tid=block.tid, comm=block.comm, state=block.state,
-                       offcpu_ns=ns, count=1, max_ns=ns, kernel=block.kernel, user=block.user,
-                       before_start=block.before_start)
-        label = ("blocked now (so far)" if isinstance(block, BlockedNow)
-                 else f"long block at {clock_time(block.time, millis=True)}")
-        return cls("block", block=row, label=label)
-
-
-ALL = Scope("all")
-NOTHING = Scope("none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +84,6 @@ class StacksPane(ContentSwitcher):
     cumulative: reactive[bool] = reactive(False, init=False)
     """Stacks summed since offtop started, not the last interval's."""
 
-    #: Idle tasks whose last stacks are kept (shown as "last seen").
-    REMEMBERED: ClassVar[int] = 16
-
     class SinceStartReady(Message):
         """The since-start ranking, worked out in a thread."""
 
@@ -161,11 +115,9 @@ class StacksPane(ContentSwitcher):
         self.selected: RowKey | None = None
         #: The scope of the tree and flame graph (set when one is opened).
         self.opened: Scope = ALL
+        self.scopes = ScopeStacks()
         self._focus_path: Path | None = None
         self._searched = ""
-        self._last: dict[RowKey, tuple[StackRow, ...]] = {}
-        self._rows_seen: dict[RowKey, TaskRow | ProcessRow] = {}
-        self._since: tuple[StackRow, ...] | None = None
         self._since_seq = -1
         self._flame_inputs: tuple[Hashable, ...] = ()
 
@@ -240,12 +192,7 @@ class StacksPane(ContentSwitcher):
     # --- watchers -------------------------------------------------------------
 
     def watch_index(self, index: SnapshotIndex) -> None:
-        for key in (self.selected, self.opened.key):
-            row = index.rows.get(key) if key is not None else None
-            if row is not None:
-                self._rows_seen[row.key] = row
-        while len(self._rows_seen) > self.REMEMBERED:
-            del self._rows_seen[next(iter(self._rows_seen))]
+        self.scopes.seen(index, (self.selected, self.opened.key))
         if self.cumulative:
             self._rank_since_start(index.snapshot.seq)
         self._refresh()
@@ -264,7 +211,7 @@ class StacksPane(ContentSwitcher):
             self._refresh()
 
     def watch_cumulative(self, cumulative: bool) -> None:
-        self._since = None
+        self.scopes.since = None
         if cumulative:
             self._rank_since_start(self.index.snapshot.seq)
         self._refresh()
@@ -293,44 +240,11 @@ class StacksPane(ContentSwitcher):
         return ALL if self.all_tasks else Scope.task(self.selected)
 
     def _stacks_of(self, scope: Scope) -> tuple[list[StackRow], bool]:
-        """A scope's stacks, filtered as asked; and whether they are the last seen."""
-        index = self.index
-        if scope.block is not None:
-            return [scope.block], False
-        if scope.kind == "none":
-            return [], False
-        stale = False
-        source: Sequence[StackRow]
-        if self.cumulative:
-            source = self._since or ()
-            if scope.key is not None:
-                key = scope.key
-                source = [s for s in source if (s.pid if key.is_process else s.tid) == key.id]
-            elif scope.kind == "command":
-                source = [s for s in source if s.comm == scope.comm]
-        elif scope.key is not None:
-            source = index.stacks_of(scope.key)
-            if source:
-                self._remember(scope.key, tuple(source))
-            else:
-                last = self._last.get(scope.key, ())
-                source, stale = last, bool(last)
-        elif scope.kind == "command":
-            source = [s for s in index.snapshot.stacks if s.comm == scope.comm]
-        else:
-            source = index.snapshot.stacks
+        """A scope's stacks as the pane's switches ask; whether they are the last seen."""
+        # The filter narrows the table of all tasks; the flame graph highlights instead.
         text = self.filter_text.strip() if scope.kind == "all" and self.view == "stacks" else ""
-        stacks = index.view(source, hide_idle=self.hide_idle)
-        if text:
-            stacks = [s for s in stacks if _task_matches(s, text)
-                      or text.casefold() in index.catalog.text(s)]
-        return stacks, stale
-
-    def _remember(self, key: RowKey, stacks: tuple[StackRow, ...]) -> None:
-        self._last.pop(key, None)
-        self._last[key] = stacks
-        while len(self._last) > self.REMEMBERED:
-            del self._last[next(iter(self._last))]
+        return self.scopes.stacks(scope, self.index, cumulative=self.cumulative,
+                                  hide_idle=self.hide_idle, text=text)
 
     # --- refreshing -------------------------------------------------------------
 
@@ -358,7 +272,7 @@ class StacksPane(ContentSwitcher):
         title = Text("All stacks by off-CPU time" if everything else "Stacks of ", end="")
         if not everything:
             title.append_text(self._scope_title(scope))
-        self._set_titles(title, self._table_subtitle(len(stacks), len(rows), stale))
+        self._set_titles(title, self._table_subtitle(len(stacks), len(merged), len(rows), stale))
 
     def _row_key(self, m: MergedStack) -> StackKey:
         s = m.row
@@ -369,13 +283,13 @@ class StacksPane(ContentSwitcher):
             owner = ("c", s.comm)
         return (owner, s.state, s.before_start, self.index.facts(s).chain)
 
-    def _table_subtitle(self, stacks: int, shown: int, stale: bool) -> Text:
+    def _table_subtitle(self, stacks: int, rows: int, shown: int, stale: bool) -> Text:
         sub = Text(end="")
         if stale:
             sub.append("idle this interval: last seen", style="italic #e0c050")
         else:
-            sub.append(f"{stacks:,} stacks" if shown == stacks
-                       else f"top {shown:,} of {stacks:,} stacks")
+            what = f"{stacks:,} stacks" if rows == stacks else f"{rows:,} rows of {stacks:,} stacks"
+            sub.append(what if shown == rows else f"top {shown:,} of {what}")
         sub.append_text(self._mode_text())
         sub.append(" · Enter: tree · f: flame graph" + ("" if self.all_tasks
                                                        else " · a: all tasks"))
@@ -388,7 +302,7 @@ class StacksPane(ContentSwitcher):
         if self.hide_idle:
             t.append(" · idle hidden", style="bold")
         if self.cumulative:
-            since = "" if self._since is not None else " (summing…)"
+            since = "" if self.scopes.since is not None else " (summing…)"
             t.append(f" · since start{since}", style="bold")
         return t
 
@@ -462,7 +376,7 @@ class StacksPane(ContentSwitcher):
     @on(SinceStartReady)
     def _since_start_ready(self, message: SinceStartReady) -> None:
         if self.cumulative:
-            self._since, self._since_seq = message.rows, message.seq
+            self.scopes.since, self._since_seq = message.rows, message.seq
             self._refresh()
 
     # --- titles -----------------------------------------------------------------
@@ -474,44 +388,7 @@ class StacksPane(ContentSwitcher):
         self.border_subtitle = subtitle
 
     def _scope_title(self, scope: Scope) -> Text:
-        if scope.block is not None:
-            b = scope.block
-            t = Text(f"{scope.label} ", style="italic", end="")
-            t.append_text(task_label(b.comm, b.pid, b.tid))
-            return t
-        if scope.kind == "none":
-            return Text("no task selected", style="dim", end="")
-        if scope.kind == "command":
-            t = Text("every ", style="dim", end="")
-            t.append_text(untrusted_text(scope.comm, "bold"))
-            t.append(" process", style="dim")
-            return t
-        if scope.key is None:
-            return Text("all tasks", end="")
-        return self._task_title(scope.key)
-
-    def _task_title(self, key: RowKey) -> Text:
-        row = self.index.rows.get(key) or self._rows_seen.get(key)
-        if row is None:
-            # Not in this snapshot nor seen before (a task blocked since
-            # before it ran): its stacks still name it.
-            stacks = self.index.stacks_of(key) or self._last.get(key, ())
-            if not stacks:
-                return Text(str(key), end="")
-            s = stacks[0]
-            return task_label(s.comm, s.pid, None if key.is_process else s.tid)
-        if isinstance(row, ProcessRow):
-            t = task_label(row.comm, row.pid)
-            t.append(f" ({row.threads} threads)", style="dim")
-            if row.user:
-                t.append(" ")
-                t.append_text(untrusted_text(row.user, "italic"))
-            if row.cmdline:
-                cmd = row.cmdline if len(row.cmdline) <= 60 else row.cmdline[:59] + "…"
-                t.append(" ")
-                t.append_text(untrusted_text(cmd, "dim"))
-            return t
-        return task_label(row.comm, row.pid, row.tid)
+        return self.scopes.title(scope, self.index)
 
     # --- the table's rows -------------------------------------------------------
 
@@ -528,7 +405,3 @@ class StacksPane(ContentSwitcher):
         self.open(scope, focus=stack_path(s, show_kernel=self.show_kernel,
                                           show_user=self.show_user))
 
-
-def _task_matches(s: StackRow, text: str) -> bool:
-    needle = text.lower()
-    return needle in s.comm.lower() or needle in str(s.pid) or needle in str(s.tid)

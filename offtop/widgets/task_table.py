@@ -29,6 +29,7 @@ from textual.reactive import reactive
 from offtop.model import Frame, ProcessRow, RowKey, SnapshotIndex, TaskRow
 from offtop.safe_text import printable
 from offtop.units import format_ns
+from offtop.widgets.choice_screen import ChoiceScreen
 from offtop.widgets.line_table import Column, LineTable
 from offtop.widgets.render import (
     frame_style,
@@ -243,6 +244,11 @@ class TaskTable(LineTable[RowKey]):
         for c in self._columns():
             self.set_column_label(c.key, c.label)
         self._refill()
+
+    def sort_menu(self) -> ChoiceScreen:
+        """F6: the columns shown, to pick one (the current one highlighted)."""
+        choices = [(c, COLUMN_TITLES[c]) for c, _ in SORT_CYCLE if c in self.column_keys]
+        return ChoiceScreen("Sort by", choices, current=self.sort_spec.column)
 
     def cycle_sort(self) -> None:
         """Next column in `SORT_CYCLE` (of those shown)."""
