@@ -5,7 +5,7 @@ SHELL := /bin/bash
 PY := /usr/bin/python3
 VENV := .venv
 ARCH := $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
-SYSTEM_PKGS := python3-bpfcc python3-venv linux-headers-$(ARCH) gcc libc6-dev tmux bpftool golang-go
+SYSTEM_PKGS := python3-bpfcc python3-venv linux-headers-$(ARCH) gcc libc6-dev libc6-dbg gdb tmux bpftool golang-go
 ARGS ?=
 
 .PHONY: run test setup system lint bench bench-system
@@ -29,8 +29,10 @@ bench-system:
 setup: system $(VENV)/.stamp-install
 
 # Debian packages: bcc's Python bindings, a generic kernel header tree for bcc to compile
-# against, a compiler for the test workloads, tmux for the terminal end-to-end test,
-# bpftool to check that no probe outlives offtop.
+# against, a compiler for the test workloads, libc's detached symbols (libc6-dbg: its
+# local functions by name, e.g. __libc_start_call_main), gdb to check stacks against,
+# tmux for the terminal end-to-end test, bpftool to check that no probe outlives
+# offtop, golang-go for `go tool pprof` (reads offtop's pprof files in the tests).
 system:
 	@missing=""; for p in $(SYSTEM_PKGS); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
