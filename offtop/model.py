@@ -88,6 +88,15 @@ class Waker:
     kind: str = "task"
     kernel: tuple[Frame, ...] = ()
     user: tuple[Frame, ...] = ()
+    # A key of every stack's wakers: hashed once (see Frame).
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.pid, self.tid, self.comm, self.kind,
+                                                self.kernel, self.user)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def label(self) -> str:

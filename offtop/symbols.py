@@ -410,8 +410,9 @@ class UserSymbols:
         return _Proc(start=start, maps=maps, starts=[m.start for m in maps],
                      maps_read_at=self._clock())
 
-    def _proc(self, pid: int) -> _Proc | None:
-        start = self._start_time(pid)
+    def _proc(self, pid: int, start: int | None = None) -> _Proc | None:
+        if start is None:
+            start = self._start_time(pid)
         p = self._procs.get(pid)
         if p is not None:
             if start is None:  # gone: keep what we know, until the grace ends
@@ -437,17 +438,20 @@ class UserSymbols:
         self._proc(pid)
 
     def resolve_stack(self, pid: int, addrs: Iterable[int], *,
-                      deadline: float | None = None) -> tuple[Frame, ...]:
+                      deadline: float | None = None, start: int | None = None
+                      ) -> tuple[Frame, ...]:
         """A user stack, innermost first (see the module docstring).
 
         `deadline` is a time on this object's clock (time.monotonic by
         default) after which no file is loaded: frames that would need one
         come back as `module+0xOFFSET`, uncached, counted as TIME_BUDGET.
+        `start`: the process's start time, when the caller has just read it
+        (else it is read here: a process is its pid and start time).
         """
         addrs = list(addrs)
         if not addrs:
             return ()
-        p = self._proc(pid)
+        p = self._proc(pid, start or None)
         if p is None:
             self._miss(PROCESS_GONE)
             return (Frame(name=MARK_TRUNCATED),)

@@ -173,6 +173,8 @@ class BpfSource:
         self.unwinder: Unwinder | None = None
         self.python: PythonFrames | None = None
         self._before: dict[int, _Before] = {}  # tid -> its block from before the start
+        self._wakers: dict[tuple[Any, ...], Waker] = {}
+        self._comms: dict[bytes, str] = {}  # raw comm -> decoded
         # User stacks unwound with call-frame information while the thread was
         # blocked, by (tid, switch-out time): the block's identity, which its
         # long-block event carries as end - duration. Addresses, symbolized at
@@ -491,10 +493,16 @@ class BpfSource:
     def _samples(self, rows: dict[tuple[int, ...], _Row]) -> list[Sample]:
         """The interval's summed rows as the model's samples (once per key)."""
         out = []
+        comms = self._comms
+        if len(comms) > 100_000:
+            comms.clear()
         for key, r in rows.items():
             tgid, tid, st = key[0], key[1], key[2]
+            comm = comms.get(r.comm)
+            if comm is None:
+                comm = comms[r.comm] = decode_comm(r.comm)
             out.append(Sample(
-                pid=tgid, tid=tid, comm=decode_comm(r.comm), state=state_name(st),
+                pid=tgid, tid=tid, comm=comm, state=state_name(st),
                 offcpu_ns=r.total, count=r.count, max_ns=r.max_ns, kernel=r.kernel,
                 user=r.user, from_event=bool(key[-1]), start=self._start_of(tgid),
                 before_start=r.before, waker=r.waker,
@@ -502,17 +510,26 @@ class BpfSource:
         return out
 
     def _waker(self, raw: RawWaker, deadline: float) -> Waker | None:
-        """The model's Waker of a raw one (None: not recorded)."""
+        """The model's Waker of a raw one (None: not recorded); the same object
+        for the same raw waker (of the same process) while its stacks hold."""
         tgid, tid, us, ks, what, comm = raw
         kind = WAKER_KINDS.get(what >> 24, "")
         if not kind or not self.config.wakers:
             return None
-        if kind != "task":
-            kernel = self._kernel(ks)
-            kind, work = interrupt_kind(kernel)
-            return Waker(0, 0, work, kind, kernel)
-        return Waker(tgid, tid, decode_comm(comm), kind, self._kernel(ks),
-                     self._user(tgid, us, deadline) if us >= 0 else ())
+        kernel = self._kernel(ks)
+        user = self._user(tgid, us, deadline) if kind == "task" and us >= 0 else ()
+        key = (tgid, tid, what, comm, kernel, user)
+        w = self._wakers.get(key)
+        if w is None:
+            if kind != "task":
+                kind, work = interrupt_kind(kernel)
+                w = Waker(0, 0, work, kind, kernel)
+            else:
+                w = Waker(tgid, tid, decode_comm(comm), kind, kernel, user)
+            if len(self._wakers) > 50_000:
+                self._wakers.clear()
+            self._wakers[key] = w
+        return w
 
     def _frames_of(self, tgid: int, tid: int, st: int, us: int, ks: int, deadline: float,
                    ts: int | None = None) -> tuple[tuple[Frame, ...], tuple[Frame, ...], bool]:

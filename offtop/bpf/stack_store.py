@@ -151,7 +151,7 @@ class StackStore:
             addrs, cut = self._repair.repair(pid, addrs)
         if deadline is not None and time.monotonic() > deadline:
             self.stats.symbol_deadline_misses += 1
-        frames = self.user_symbols.resolve_stack(pid, addrs, deadline=deadline)
+        frames = self.user_symbols.resolve_stack(pid, addrs, deadline=deadline, start=start)
         if cut and not (frames and frames[-1].name == MARK_TRUNCATED):
             frames = (*frames, Frame(name=MARK_TRUNCATED))
         complete = not any(f.unknown for f in frames) or (
