@@ -775,9 +775,32 @@ TRACEPOINT_PROBE(sched, sched_waking)
     c->wakee = args->pid;
 #if defined(__x86_64__)
     struct task_struct *task = bpf_get_current_task_btf();
-    u64 top = (u64)bpf_task_pt_regs(task) + PT_REGS_SIZE;
+    char *regs = (char *)bpf_task_pt_regs(task);
+    u64 top = (u64)regs + PT_REGS_SIZE;
     u64 at = (u64)&zero;
-    c->irq = at >= top || at < top - KERNEL_STACK_SIZE;
+    if (at >= top || at < top - KERNEL_STACK_SIZE) {
+        c->irq = 1;
+        return 0;
+    }
+    // On the task's stack, but an interrupt that came from user mode runs
+    // there too (there is nothing below it to protect): then the registers
+    // at the top are the interrupt's, not a system call's. A system call in
+    // progress has its number in orig_ax and -ENOSYS in ax (do_syscall_64
+    // sets it first); an interrupt leaves the user's ax there.
+    // (One word at a time: this frame must stay small, see above.)
+    u64 v = 0;
+    bpf_probe_read_kernel(&v, sizeof(v), regs + 136);      // cs
+    if ((v & 3) != 3) {
+        c->irq = 0;
+        return 0;
+    }
+    bpf_probe_read_kernel(&v, sizeof(v), regs + 120);      // orig_ax
+    if ((s64)v < 0) {
+        c->irq = 1;
+        return 0;
+    }
+    bpf_probe_read_kernel(&v, sizeof(v), regs + 80);       // ax
+    c->irq = (s64)v != -38;
 #else
     c->irq = 0;
 #endif
