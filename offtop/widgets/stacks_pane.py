@@ -85,12 +85,14 @@ class StacksPane(ContentSwitcher):
     """Stacks summed since offtop started, not the last interval's."""
 
     class SinceStartReady(Message):
-        """The since-start ranking, worked out in a thread."""
+        """The since-start ranking of a scope, worked out in a thread."""
 
-        def __init__(self, rows: tuple[StackRow, ...], seq: int) -> None:
+        def __init__(self, rows: tuple[StackRow, ...], seq: int,
+                     wanted: tuple[Scope, int | None]) -> None:
             super().__init__()
             self.rows = rows
             self.seq = seq
+            self.wanted = wanted
 
     class ViewChanged(Message):
         """The pane shows another view (the app adapts the layout)."""
@@ -119,6 +121,7 @@ class StacksPane(ContentSwitcher):
         self._focus_path: Path | None = None
         self._searched = ""
         self._since_seq = -1
+        self._since_for: tuple[Scope, int | None] | None = None
         self._flame_inputs: tuple[Hashable, ...] = ()
 
     def compose(self) -> ComposeResult:
@@ -194,7 +197,7 @@ class StacksPane(ContentSwitcher):
     def watch_index(self, index: SnapshotIndex) -> None:
         self.scopes.seen(index, (self.selected, self.opened.key))
         if self.cumulative:
-            self._rank_since_start(index.snapshot.seq)
+            self._rank_since_start()
         self._refresh()
 
     def watch_view(self, view: View) -> None:
@@ -211,9 +214,7 @@ class StacksPane(ContentSwitcher):
             self._refresh()
 
     def watch_cumulative(self, cumulative: bool) -> None:
-        self.scopes.since = None
-        if cumulative:
-            self._rank_since_start(self.index.snapshot.seq)
+        self.scopes.since, self._since_seq, self._since_for = None, -1, None
         self._refresh()
 
     def watch_merge(self) -> None:
@@ -251,6 +252,8 @@ class StacksPane(ContentSwitcher):
     def _refresh(self, *, focus: Path | None = None) -> None:
         if not self.is_mounted:
             return
+        if self.cumulative and self._since_for != self._since_wanted():
+            self._rank_since_start()  # other totals are wanted: they come from a thread
         if self.view == "stacks":
             self._refresh_table()
         elif self.view == "tree":
@@ -343,7 +346,8 @@ class StacksPane(ContentSwitcher):
                   self.hide_idle, self.show_kernel, self.show_user, len(stacks))
         if inputs != self._flame_inputs:
             self._flame_inputs = inputs
-            self._build_flame(stacks, self._scope_title(scope).plain, group, inputs)
+            self._build_flame(stacks, self._scope_title(scope).plain, group, inputs,
+                              (self.show_kernel, self.show_user))
         if self._searched != self.filter_text.strip():
             self._search()
 
@@ -354,10 +358,10 @@ class StacksPane(ContentSwitcher):
 
     @work(thread=True, exclusive=True, group="flame", exit_on_error=False)
     def _build_flame(self, stacks: list[StackRow], title: str, group: GroupBy,
-                     inputs: tuple[Hashable, ...]) -> None:
+                     inputs: tuple[Hashable, ...], frames: tuple[bool, bool]) -> None:
         """Merge the stacks into a flame tree off the event loop."""
-        tree = FlameTree(stacks, title=title, group_by=group, show_kernel=self.show_kernel,
-                         show_user=self.show_user)
+        tree = FlameTree(stacks, title=title, group_by=group, show_kernel=frames[0],
+                         show_user=frames[1])
         self.post_message(self.FlameReady(tree, inputs))
 
     @on(FlameReady)
@@ -365,17 +369,36 @@ class StacksPane(ContentSwitcher):
         if message.inputs == self._flame_inputs and self.view == "flame":
             self.query_one(FlameGraph).show_tree(message.tree)
 
-    def _rank_since_start(self, seq: int) -> None:
-        self._rank_worker(seq)
+    def _shown_scope(self) -> Scope:
+        return self._table_scope() if self.view == "stacks" else self.opened
+
+    def _since_wanted(self) -> tuple[Scope, int | None]:
+        """The scope whose since-start totals are shown, and how many: the
+        table shows the heaviest rows only, unless they are merged or
+        filtered first; the tree and the flame graph need them all."""
+        plain = (self.view == "stacks" and self.merge == "none" and not self.hide_idle
+                 and not self.filter_text.strip())
+        return self._shown_scope(), StackTable.MAX_ROWS_ALL if plain else None
+
+    def _rank_since_start(self) -> None:
+        wanted = self._since_wanted()
+        if wanted[0].kind != "none":
+            self._since_for = wanted
+            self._rank_worker(self.index.snapshot.seq, wanted)
 
     @work(thread=True, exclusive=True, group="since-start", exit_on_error=False)
-    def _rank_worker(self, seq: int) -> None:
-        """Rank the since-start totals off the event loop."""
-        self.post_message(self.SinceStartReady(self.since_start.ranked(), seq))
+    def _rank_worker(self, seq: int, wanted: tuple[Scope, int | None]) -> None:
+        """Rank a scope's since-start totals off the event loop."""
+        scope, limit = wanted
+        rows = self.since_start.ranked(scope.holds, limit)
+        self.post_message(self.SinceStartReady(rows, seq, wanted))
 
     @on(SinceStartReady)
     def _since_start_ready(self, message: SinceStartReady) -> None:
-        if self.cumulative:
+        # A ranking older than the one shown (a slow thread), or of a scope
+        # no longer shown, is dropped.
+        if (self.cumulative and message.seq >= self._since_seq
+                and message.wanted == self._since_for):
             self.scopes.since, self._since_seq = message.rows, message.seq
             self._refresh()
 
