@@ -806,6 +806,8 @@ class SnapshotIndex:
         self._stacks: dict[RowKey, tuple[StackRow, ...]] = {}
         self._hottest: dict[RowKey, StackRow] | None = None
         self._idle_ns: dict[RowKey, int] | None = None
+        # The snapshot's rows are alive as long as the index: their ids are theirs.
+        self._idle_rows: dict[int, bool] | None = None
         self._matches: tuple[str, frozenset[int], frozenset[int]] | None = None
 
     @classmethod
@@ -860,14 +862,29 @@ class SnapshotIndex:
     def idle_ns(self, key: RowKey) -> int:
         """Off-CPU time of a thread or process in idle waits (`is_idle_wait`)."""
         if self._idle_ns is None:
-            idle: dict[RowKey, int] = {}
-            info = self.catalog.info
-            for s in self.snapshot.stacks:
-                if info(s.kernel, s.user).idle:
-                    for k in (RowKey.thread(s.tid), RowKey.process(s.pid)):
-                        idle[k] = idle.get(k, 0) + s.offcpu_ns
-            self._idle_ns = idle
+            self._find_idle()
+        assert self._idle_ns is not None
         return self._idle_ns.get(key, 0)
+
+    def is_idle(self, stack: StackRow) -> bool:
+        """`is_idle_wait` of a stack (of this snapshot: looked up, not worked out)."""
+        if self._idle_rows is None:
+            self._find_idle()
+        assert self._idle_rows is not None
+        known = self._idle_rows.get(id(stack))
+        return known if known is not None else self.catalog.info(stack.kernel, stack.user).idle
+
+    def _find_idle(self) -> None:
+        """One pass over the snapshot for what hiding idle waits needs."""
+        idle_ns: dict[RowKey, int] = {}
+        rows: dict[int, bool] = {}
+        info = self.catalog.info
+        for s in self.snapshot.stacks:
+            idle = rows[id(s)] = info(s.kernel, s.user).idle
+            if idle:
+                for k in (RowKey.thread(s.tid), RowKey.process(s.pid)):
+                    idle_ns[k] = idle_ns.get(k, 0) + s.offcpu_ns
+        self._idle_ns, self._idle_rows = idle_ns, rows
 
     def frames_contain(self, key: RowKey, text: str) -> bool:
         """True if a stack of the thread or process has a frame containing `text`
@@ -885,9 +902,9 @@ class SnapshotIndex:
         if not hide_idle and not text:
             return list(stacks)
         needle = text.casefold()
-        info, out = self.catalog.info, []
+        out = []
         for s in stacks:
-            if hide_idle and info(s.kernel, s.user).idle:
+            if hide_idle and self.is_idle(s):
                 continue
             if needle and needle not in self.catalog.text(s):
                 continue
@@ -895,16 +912,19 @@ class SnapshotIndex:
         return out
 
 
-def merge_identical(stacks: Iterable[StackRow], by: MergeBy,
-                    facts: Callable[[StackRow], ChainInfo]) -> list[MergedStack]:
+def merge_identical(stacks: Sequence[StackRow], by: MergeBy,
+                    facts: Callable[[StackRow], ChainInfo],
+                    limit: int | None = None) -> tuple[list[MergedStack], int]:
     """Sum stacks with the same state and frames: within a process, or across
-    processes with the same comm (`by`); most off-CPU time first.
+    processes with the same comm (`by`). Returns the heaviest `limit` (all
+    by default), most off-CPU time first, and how many there are in all.
 
     `facts(stack)` gives each stack's chain (a `SnapshotIndex.facts`), so
-    equal chains are told by one number, not by comparing frames.
+    equal chains are told by one number, not by comparing frames. `stacks`
+    are ranked already (as a snapshot's are): unmerged, the first `limit`.
     """
     if by == "none":
-        return [MergedStack(s) for s in stacks]
+        return [MergedStack(s) for s in stacks[:limit]], len(stacks)
     groups: dict[tuple[object, ...], list[StackRow]] = {}
     for s in stacks:
         owner: object = s.pid if by == "process" else s.comm
@@ -914,8 +934,11 @@ def merge_identical(stacks: Iterable[StackRow], by: MergeBy,
             groups[key] = [s]
         else:
             group.append(s)
+    heaviest: Iterable[list[StackRow]] = groups.values()
+    if limit is not None and len(groups) > limit:
+        heaviest = heapq.nlargest(limit, heaviest, key=lambda g: sum(s.offcpu_ns for s in g))
     out = []
-    for members in groups.values():
+    for members in heaviest:
         top = members[0]
         if len(members) > 1:
             top = max(members, key=lambda s: s.offcpu_ns)
@@ -925,7 +948,7 @@ def merge_identical(stacks: Iterable[StackRow], by: MergeBy,
         out.append(MergedStack(top, threads=len({s.tid for s in members}),
                                processes=len({s.pid for s in members})))
     out.sort(key=lambda m: (-m.row.offcpu_ns, m.row.tid, m.row.state))
-    return out
+    return out, len(groups)
 
 
 @dataclass(slots=True)
@@ -955,7 +978,7 @@ class SinceStart:
     def __init__(self, max_entries: int = 50_000) -> None:
         self._max = max_entries
         self._lock = threading.Lock()
-        self._totals: dict[tuple[int, str, bool, int, int], _Running] = {}
+        self._totals: dict[tuple[int, int, int, str, bool], _Running] = {}
         self._catalog = ChainCatalog()
         #: Off-CPU time of the keys dropped to stay bounded.
         self.dropped_ns = 0
@@ -973,7 +996,8 @@ class SinceStart:
             self.snapshots += 1
             totals, get = self._totals, self._totals.get
             for s in snap.stacks:
-                key = (s.tid, s.state, s.before_start, id(s.kernel), id(s.user))
+                # The cheapest key that tells stacks apart (this loop is the cost).
+                key = (id(s.kernel), id(s.user), s.tid, s.state, s.before_start)
                 cur = get(key)
                 if cur is None:
                     totals[key] = _Running(s.offcpu_ns, s.count, s.max_ns, s)

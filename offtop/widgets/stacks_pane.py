@@ -10,15 +10,18 @@ started instead of showing the last interval.
 
 The pane keeps what it needs to stay put while the data moves: the last
 stacks of an idle task (shown as "last seen"), the callchain tree's owner,
-and the flame graph's tree, which is built in a worker thread and only
-while the flame graph is on screen. It sets its own title and subtitle.
+and the flame graph's tree, which is built in a worker thread, only while
+the flame graph is on screen, and for a big graph not at every tick (at
+most a tenth of the time goes to building). It sets its own title and
+subtitle.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from rich.text import Text
 from textual import on, work
@@ -39,6 +42,7 @@ from offtop.model import (
 from offtop.units import format_ns
 from offtop.widgets.callchain_tree import CallchainTree, Path, stack_path
 from offtop.widgets.flame_graph import FlameGraph, FlameTree, GroupBy
+from offtop.widgets.render import set_titles
 from offtop.widgets.scopes import ALL, Scope, ScopeStacks
 from offtop.widgets.stack_table import StackKey, StackTable
 
@@ -63,6 +67,10 @@ class ViewData:
 
 class StacksPane(ContentSwitcher):
     """Stacks, callchain tree or flame graph of a scope (see module docstring)."""
+
+    #: After building a flame tree in `t` seconds, new data waits `t` times
+    #: this before the next build (a big graph is not rebuilt every tick).
+    FLAME_IDLE_FACTOR: ClassVar[float] = 9.0
 
     index: reactive[SnapshotIndex] = reactive(SnapshotIndex.empty, init=False)
     """The snapshot shown (the app binds it)."""
@@ -104,10 +112,12 @@ class StacksPane(ContentSwitcher):
     class FlameReady(Message):
         """A flame graph's tree, built in a thread."""
 
-        def __init__(self, tree: FlameTree, inputs: tuple[Hashable, ...]) -> None:
+        def __init__(self, tree: FlameTree, inputs: tuple[Hashable, ...],
+                     build_s: float) -> None:
             super().__init__()
             self.tree = tree
             self.inputs = inputs
+            self.build_s = build_s
 
     def __init__(self, since_start: SinceStart, *, id: str | None = None,
                  classes: str | None = None) -> None:
@@ -123,6 +133,7 @@ class StacksPane(ContentSwitcher):
         self._since_seq = -1
         self._since_for: tuple[Scope, int | None] | None = None
         self._flame_inputs: tuple[Hashable, ...] = ()
+        self._flame_due = 0.0
 
     def compose(self) -> ComposeResult:
         yield StackTable(id="stacks")
@@ -264,10 +275,10 @@ class StacksPane(ContentSwitcher):
     def _refresh_table(self) -> None:
         scope = self._table_scope()
         stacks, stale = self._stacks_of(scope)
-        merged = merge_identical(stacks, self.merge, self.index.facts)
         everything = scope.kind == "all"
         limit = StackTable.MAX_ROWS_ALL if everything else StackTable.MAX_ROWS
-        rows = [(self._row_key(m), m) for m in merged[:limit]]
+        merged, in_all = merge_identical(stacks, self.merge, self.index.facts, limit)
+        rows = [(self._row_key(m), m) for m in merged]
         total = sum(s.offcpu_ns for s in stacks)
         self.query_one(StackTable).show(
             rows, scope="all" if everything else "task", merged=self.merge != "none",
@@ -275,7 +286,7 @@ class StacksPane(ContentSwitcher):
         title = Text("All stacks by off-CPU time" if everything else "Stacks of ", end="")
         if not everything:
             title.append_text(self._scope_title(scope))
-        self._set_titles(title, self._table_subtitle(len(stacks), len(merged), len(rows), stale))
+        self._set_titles(title, self._table_subtitle(len(stacks), in_all, len(rows), stale))
 
     def _row_key(self, m: MergedStack) -> StackKey:
         s = m.row
@@ -342,9 +353,12 @@ class StacksPane(ContentSwitcher):
         group: GroupBy = ("process" if scope.kind in ("all", "command")
                           else "thread" if scope.key is not None and scope.key.is_process
                           else "none")
-        inputs = (self.index.snapshot.seq, scope, self.cumulative, self._since_seq,
-                  self.hide_idle, self.show_kernel, self.show_user, len(stacks))
-        if inputs != self._flame_inputs:
+        what = (scope, self.cumulative, self.hide_idle, self.show_kernel, self.show_user)
+        inputs = (what, self.index.snapshot.seq, self._since_seq)
+        # New data for the same graph waits while the last build is recent:
+        # the builds of a big graph take at most a tenth of the time.
+        due = what != self._flame_inputs[:1] or time.monotonic() >= self._flame_due
+        if inputs != self._flame_inputs and due:
             self._flame_inputs = inputs
             self._build_flame(stacks, self._scope_title(scope).plain, group, inputs,
                               (self.show_kernel, self.show_user))
@@ -360,12 +374,14 @@ class StacksPane(ContentSwitcher):
     def _build_flame(self, stacks: list[StackRow], title: str, group: GroupBy,
                      inputs: tuple[Hashable, ...], frames: tuple[bool, bool]) -> None:
         """Merge the stacks into a flame tree off the event loop."""
+        start = time.monotonic()
         tree = FlameTree(stacks, title=title, group_by=group, show_kernel=frames[0],
                          show_user=frames[1])
-        self.post_message(self.FlameReady(tree, inputs))
+        self.post_message(self.FlameReady(tree, inputs, time.monotonic() - start))
 
     @on(FlameReady)
     def _flame_ready(self, message: FlameReady) -> None:
+        self._flame_due = time.monotonic() + self.FLAME_IDLE_FACTOR * message.build_s
         if message.inputs == self._flame_inputs and self.view == "flame":
             self.query_one(FlameGraph).show_tree(message.tree)
 
@@ -407,8 +423,7 @@ class StacksPane(ContentSwitcher):
     def _set_titles(self, title: Text, subtitle: Text) -> None:
         if self.cumulative:
             title.append(" since start", style="bold")
-        self.border_title = title
-        self.border_subtitle = subtitle
+        set_titles(self, title, subtitle)
 
     def _scope_title(self, scope: Scope) -> Text:
         return self.scopes.title(scope, self.index)

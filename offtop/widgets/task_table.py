@@ -36,6 +36,7 @@ from offtop.widgets.render import (
     number_text,
     rate_parts,
     rate_text,
+    set_titles,
     untrusted_text,
 )
 
@@ -323,7 +324,7 @@ class TaskTable(LineTable[RowKey]):
 
     def _update_titles(self) -> None:
         what = "processes" if self.processes else "threads"
-        self.border_title = f"{what.capitalize()} by off-CPU time"
+        title = f"{what.capitalize()} by off-CPU time"
         # A Text, not a string: Textual parses a string title as markup, and
         # the filter is typed text ("[/usr]" would raise MarkupError).
         sub = Text(f"{self.total_rows:,} {what}", end="")
@@ -338,7 +339,7 @@ class TaskTable(LineTable[RowKey]):
         if self.follow:
             sub.append(" · following")
         sub.append(f" · sort {self.sort_spec.label()}")
-        self.border_subtitle = sub
+        set_titles(self, title, sub)
 
     def render_cell(self, column: str, value: Hashable) -> Text:
         """A cell: numbers right-aligned, zero dim, names literal."""
