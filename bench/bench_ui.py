@@ -105,15 +105,16 @@ def has_key(app: OfftopApp, key: str) -> bool:
     return any(getattr(b, "key", None) == key for b in app.BINDINGS)
 
 
-def build_index(snap: Snapshot) -> object:
+def build_index(snap: Snapshot, catalog: object) -> object:
     """The per-snapshot index the worker thread builds, in whichever form
-    the code measured has (the model's since the redesign, the app's before)."""
+    the code measured has (the model's since the redesign, with the chain
+    catalog the app keeps across snapshots; the app's before)."""
     try:
         from offtop.model import SnapshotIndex
     except ImportError:
         from offtop.app import SnapshotIndex
-    build = getattr(SnapshotIndex, "build", SnapshotIndex)
-    return build(snap)
+        return SnapshotIndex.build(snap)
+    return SnapshotIndex(snap, catalog)
 
 
 #: CPU time of each measurement, by the order it was taken (wall times are
@@ -175,12 +176,30 @@ async def bench(runs: int, tasks: int, stacks: int) -> tuple[Results, Results]:
                 await asyncio.sleep(0)
 
         index_ms = []
+        try:
+            from offtop.model import ChainCatalog
+            catalog: object = ChainCatalog()
+        except ImportError:
+            catalog = None
         for snap in snaps[:runs]:
             t = time.perf_counter()
-            build_index(snap)
+            build_index(snap, catalog)
             index_ms.append((time.perf_counter() - t) * 1000)
         results["index (worker thread)"] = index_ms
         cpu["index (worker thread)"] = index_ms
+        try:
+            from offtop.model import ChainCatalog, SinceStart, SnapshotIndex
+        except ImportError:
+            pass
+        else:  # since the redesign: the worker also sums stacks since the start
+            catalog, since, since_ms = ChainCatalog(), SinceStart(), []
+            for snap in snaps[:runs]:
+                index = SnapshotIndex(snap, catalog)
+                t = time.perf_counter()
+                since.add(index)
+                since_ms.append((time.perf_counter() - t) * 1000)
+            results["since-start add (worker)"] = since_ms
+            cpu["since-start add (worker)"] = since_ms
         try:
             from offtop.widgets.flame_graph import FlameTree
         except ImportError:

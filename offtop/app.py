@@ -144,11 +144,12 @@ class SnapshotPump:
         self.app.post_message(SourceEnded())
 
     def publish(self, snap: Snapshot) -> None:
-        """Index a snapshot, add it up, queue what it brought, post it (any thread)."""
+        """Index a snapshot, queue what it brought, post it, then add it to
+        the since-start totals (after: the screen need not wait for that)."""
         index = SnapshotIndex(snap, self.catalog)
-        self.since_start.add(index)
         self.arrivals.put(snap)
         self.app.post_message(SnapshotReady(index))
+        self.since_start.add(index)
 
 
 class ExitSignals:

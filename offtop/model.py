@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -806,32 +807,26 @@ class MergedStack:
 
 
 class SnapshotIndex:
-    """Lookups over one snapshot, built once per snapshot (in a worker thread).
+    """Lookups over one snapshot, made once per snapshot (in a worker thread).
 
-    Stacks by thread and by process (in rank order), rows by `RowKey`, and
-    the facts of every stack's chain from a shared `ChainCatalog`. Views that
-    cost more (frame-text matches, idle time per task) are worked out on first
-    use and kept. Not to be changed once built.
+    Rows by `RowKey` at once; everything else when first asked and then kept
+    (a tick asks for a few tasks' stacks, not for 2,000): a task's stacks,
+    every task's hottest stack, idle time per task, frame-text matches. The
+    facts of a stack's chain come from the shared `ChainCatalog`. Not to be
+    changed once made; used from the event loop only once posted.
     """
 
     def __init__(self, snapshot: Snapshot, catalog: ChainCatalog | None = None) -> None:
         self.snapshot = snapshot
         self.catalog = catalog or ChainCatalog()
-        by_tid: dict[int, list[StackRow]] = {}
-        by_pid: dict[int, list[StackRow]] = {}
-        info = self.catalog.info
-        #: The chain facts of each stack row, by the row's identity.
-        self._facts: dict[int, ChainInfo] = {}
-        for s in snapshot.stacks:
-            by_tid.setdefault(s.tid, []).append(s)
-            by_pid.setdefault(s.pid, []).append(s)
-            self._facts[id(s)] = info(s.kernel, s.user)
-        self.by_tid: Mapping[int, tuple[StackRow, ...]] = {k: tuple(v) for k, v in by_tid.items()}
-        self.by_pid: Mapping[int, tuple[StackRow, ...]] = {k: tuple(v) for k, v in by_pid.items()}
         rows: dict[RowKey, TaskRow | ProcessRow] = {t.key: t for t in snapshot.tasks}
         rows.update((p.key, p) for p in snapshot.processes)
         self.rows: Mapping[RowKey, TaskRow | ProcessRow] = rows
-        self._idle_ns: dict[int, int] | None = None
+        self._stacks: dict[RowKey, tuple[StackRow, ...]] = {}
+        self._hottest: dict[RowKey, StackRow] | None = None
+        self._idle_ns: dict[RowKey, int] | None = None
+        # The snapshot's rows are alive as long as the index: their ids are theirs.
+        self._idle_rows: dict[int, bool] | None = None
         self._matches: tuple[str, frozenset[int], frozenset[int]] | None = None
 
     @classmethod
@@ -841,12 +836,30 @@ class SnapshotIndex:
 
     def stacks_of(self, key: RowKey) -> tuple[StackRow, ...]:
         """The stacks of a thread or a process, most off-CPU time first."""
-        return (self.by_pid if key.is_process else self.by_tid).get(key.id, ())
+        stacks = self._stacks.get(key)
+        if stacks is None:
+            n = key.id
+            all_stacks = self.snapshot.stacks
+            stacks = (tuple([s for s in all_stacks if s.pid == n]) if key.is_process
+                      else tuple([s for s in all_stacks if s.tid == n]))
+            if len(self._stacks) > 256:
+                self._stacks.clear()
+            self._stacks[key] = stacks
+        return stacks
+
+    def hottest(self, key: RowKey) -> StackRow | None:
+        """The stack of a thread or process with the most off-CPU time."""
+        if self._hottest is None:
+            hottest: dict[RowKey, StackRow] = {}
+            for s in self.snapshot.stacks:  # ranked: the first seen is the hottest
+                hottest.setdefault(RowKey.thread(s.tid), s)
+                hottest.setdefault(RowKey.process(s.pid), s)
+            self._hottest = hottest
+        return self._hottest.get(key)
 
     def facts(self, stack: StackRow) -> ChainInfo:
         """The chain facts of a stack (of this snapshot or any other)."""
-        hit = self._facts.get(id(stack))
-        return hit if hit is not None else self.catalog.info(stack.kernel, stack.user)
+        return self.catalog.info(stack.kernel, stack.user)
 
     def counterpart(self, key: RowKey) -> RowKey | None:
         """The row of the other mode for the same task: a thread's process,
@@ -857,8 +870,8 @@ class SnapshotIndex:
         main = RowKey.thread(key.id)
         if main in self.rows:
             return main
-        stacks = self.by_pid.get(key.id, ())
-        return RowKey.thread(stacks[0].tid) if stacks else None
+        top = self.hottest(key)
+        return RowKey.thread(top.tid) if top is not None else None
 
     def cmdline(self, pid: int) -> str:
         """A process's command line, when the snapshot has it."""
@@ -868,13 +881,29 @@ class SnapshotIndex:
     def idle_ns(self, key: RowKey) -> int:
         """Off-CPU time of a thread or process in idle waits (`is_idle_wait`)."""
         if self._idle_ns is None:
-            idle: dict[int, int] = {}
-            for s in self.snapshot.stacks:
-                if self._facts[id(s)].idle:
-                    idle[s.tid] = idle.get(s.tid, 0) + s.offcpu_ns
-                    idle[-s.pid - 1] = idle.get(-s.pid - 1, 0) + s.offcpu_ns
-            self._idle_ns = idle
-        return self._idle_ns.get(-key.id - 1 if key.is_process else key.id, 0)
+            self._find_idle()
+        assert self._idle_ns is not None
+        return self._idle_ns.get(key, 0)
+
+    def is_idle(self, stack: StackRow) -> bool:
+        """`is_idle_wait` of a stack (of this snapshot: looked up, not worked out)."""
+        if self._idle_rows is None:
+            self._find_idle()
+        assert self._idle_rows is not None
+        known = self._idle_rows.get(id(stack))
+        return known if known is not None else self.catalog.info(stack.kernel, stack.user).idle
+
+    def _find_idle(self) -> None:
+        """One pass over the snapshot for what hiding idle waits needs."""
+        idle_ns: dict[RowKey, int] = {}
+        rows: dict[int, bool] = {}
+        info = self.catalog.info
+        for s in self.snapshot.stacks:
+            idle = rows[id(s)] = info(s.kernel, s.user).idle
+            if idle:
+                for k in (RowKey.thread(s.tid), RowKey.process(s.pid)):
+                    idle_ns[k] = idle_ns.get(k, 0) + s.offcpu_ns
+        self._idle_ns, self._idle_rows = idle_ns, rows
 
     def frames_contain(self, key: RowKey, text: str) -> bool:
         """True if a stack of the thread or process has a frame containing `text`
@@ -889,10 +918,12 @@ class SnapshotIndex:
     def view(self, stacks: Iterable[StackRow], *, hide_idle: bool = False,
              text: str = "") -> list[StackRow]:
         """`stacks` without idle waits and/or only those with a frame containing `text`."""
+        if not hide_idle and not text:
+            return list(stacks)
         needle = text.casefold()
         out = []
         for s in stacks:
-            if hide_idle and self.facts(s).idle:
+            if hide_idle and self.is_idle(s):
                 continue
             if needle and needle not in self.catalog.text(s):
                 continue
@@ -900,16 +931,19 @@ class SnapshotIndex:
         return out
 
 
-def merge_identical(stacks: Iterable[StackRow], by: MergeBy,
-                    facts: Callable[[StackRow], ChainInfo]) -> list[MergedStack]:
+def merge_identical(stacks: Sequence[StackRow], by: MergeBy,
+                    facts: Callable[[StackRow], ChainInfo],
+                    limit: int | None = None) -> tuple[list[MergedStack], int]:
     """Sum stacks with the same state and frames: within a process, or across
-    processes with the same comm (`by`); most off-CPU time first.
+    processes with the same comm (`by`). Returns the heaviest `limit` (all
+    by default), most off-CPU time first, and how many there are in all.
 
     `facts(stack)` gives each stack's chain (a `SnapshotIndex.facts`), so
-    equal chains are told by one number, not by comparing frames.
+    equal chains are told by one number, not by comparing frames. `stacks`
+    are ranked already (as a snapshot's are): unmerged, the first `limit`.
     """
     if by == "none":
-        return [MergedStack(s) for s in stacks]
+        return [MergedStack(s) for s in stacks[:limit]], len(stacks)
     groups: dict[tuple[object, ...], list[StackRow]] = {}
     for s in stacks:
         owner: object = s.pid if by == "process" else s.comm
@@ -919,8 +953,11 @@ def merge_identical(stacks: Iterable[StackRow], by: MergeBy,
             groups[key] = [s]
         else:
             group.append(s)
+    heaviest: Iterable[list[StackRow]] = groups.values()
+    if limit is not None and len(groups) > limit:
+        heaviest = heapq.nlargest(limit, heaviest, key=lambda g: sum(s.offcpu_ns for s in g))
     out = []
-    for members in groups.values():
+    for members in heaviest:
         top = members[0]
         if len(members) > 1:
             top = max(members, key=lambda s: s.offcpu_ns)
@@ -930,7 +967,7 @@ def merge_identical(stacks: Iterable[StackRow], by: MergeBy,
         out.append(MergedStack(top, threads=len({s.tid for s in members}),
                                processes=len({s.pid for s in members})))
     out.sort(key=lambda m: (-m.row.offcpu_ns, m.row.tid, m.row.state))
-    return out
+    return out, len(groups)
 
 
 @dataclass(slots=True)
@@ -946,17 +983,22 @@ class _Running:
 class SinceStart:
     """Every stack's off-CPU time summed since offtop started (a cumulative view).
 
-    `add` takes each snapshot as it comes (in the worker thread); `ranked`
-    gives the totals as stack rows, most time first (from any thread: a lock
-    keeps the two apart). Keys are (thread, state, chain number), so adding a
-    snapshot costs a dictionary update per stack. Bounded: past `max_entries`
-    keys the smallest quarter is dropped and its time counted in `dropped_ns`.
+    `add` takes each snapshot as it comes (in the worker thread) and must be
+    cheap: it keys each stack by its thread, state and the identity of its
+    frame tuples (the engine hands out the same tuples for the same stack id
+    interval after interval; the rows kept hold them, so an identity is not
+    reused). `ranked` (from any thread: a lock keeps the two apart) merges
+    what is the same chain in other tuples (a replay, a re-symbolized stack)
+    and gives the totals as stack rows, most time first. Bounded: past
+    `max_entries` keys the smallest quarter is dropped and its time counted
+    in `dropped_ns`.
     """
 
     def __init__(self, max_entries: int = 50_000) -> None:
         self._max = max_entries
         self._lock = threading.Lock()
-        self._totals: dict[tuple[int, str, bool, int], _Running] = {}
+        self._totals: dict[tuple[int, int, int, str, bool], _Running] = {}
+        self._catalog = ChainCatalog()
         #: Off-CPU time of the keys dropped to stay bounded.
         self.dropped_ns = 0
         #: Snapshots added, and the time the first one began (unix seconds).
@@ -966,21 +1008,23 @@ class SinceStart:
     def add(self, index: SnapshotIndex) -> None:
         """Add one snapshot's stacks."""
         snap = index.snapshot
-        facts = index.facts
         with self._lock:
+            self._catalog = index.catalog
             if not self.snapshots:
                 self.since = snap.time - snap.interval_s
             self.snapshots += 1
-            totals = self._totals
+            totals, get = self._totals, self._totals.get
             for s in snap.stacks:
-                key = (s.tid, s.state, s.before_start, facts(s).chain)
-                cur = totals.get(key)
+                # The cheapest key that tells stacks apart (this loop is the cost).
+                key = (id(s.kernel), id(s.user), s.tid, s.state, s.before_start)
+                cur = get(key)
                 if cur is None:
                     totals[key] = _Running(s.offcpu_ns, s.count, s.max_ns, s)
                 else:
                     cur.ns += s.offcpu_ns
                     cur.count += s.count
-                    cur.max_ns = max(cur.max_ns, s.max_ns)
+                    if s.max_ns > cur.max_ns:
+                        cur.max_ns = s.max_ns
                     cur.row = s
             if len(totals) > self._max:
                 self._shed()
@@ -991,11 +1035,29 @@ class SinceStart:
             self.dropped_ns += cur.ns
             del self._totals[key]
 
-    def ranked(self) -> tuple[StackRow, ...]:
-        """The totals as stack rows, most off-CPU time first."""
+    def ranked(self, keep: Callable[[StackRow], bool] | None = None,
+               limit: int | None = None) -> tuple[StackRow, ...]:
+        """The totals as stack rows, most off-CPU time first: of the stacks
+        `keep` keeps (all by default), the `limit` heaviest (all by default)."""
         with self._lock:
-            items = [(c.ns, c.count, c.max_ns, c.row) for c in self._totals.values()]
-        rows = [dataclasses.replace(row, offcpu_ns=ns, count=count, max_ns=max_ns)
-                for ns, count, max_ns, row in items]
+            items = [(c.ns, c.count, c.max_ns, c.row) for c in self._totals.values()
+                     if keep is None or keep(c.row)]
+            info = self._catalog.info
+        merged: dict[tuple[int, str, bool, int], _Running] = {}
+        for ns, count, max_ns, row in items:
+            key = (row.tid, row.state, row.before_start, info(row.kernel, row.user).chain)
+            cur = merged.get(key)
+            if cur is None:
+                merged[key] = _Running(ns, count, max_ns, row)
+            else:
+                cur.ns += ns
+                cur.count += count
+                cur.max_ns = max(cur.max_ns, max_ns)
+        runs: Iterable[_Running] = merged.values()
+        if limit is not None and len(merged) > limit:
+            runs = heapq.nlargest(limit, runs, key=lambda c: c.ns)
+        rows = [StackRow(r.pid, r.tid, r.comm, r.state, c.ns, c.count, c.max_ns, r.kernel,
+                         r.user, r.before_start)
+                for c in runs for r in (c.row,)]
         rows.sort(key=lambda r: (-r.offcpu_ns, r.tid, r.state))
         return tuple(rows)

@@ -197,16 +197,20 @@ def test_identical_stacks_merge_across_threads_and_commands() -> None:
                                                                           comm="other"),
             stack(11, 10, EPOLL)]
     facts = SnapshotIndex(build(Aggregator(), [])).facts
-    none = merge_identical(rows, "none", facts)
-    assert [m.row.offcpu_ns for m in none] == [100, 50, 70, 30, 10]
-    by_process = merge_identical(rows, "process", facts)
+    none, n = merge_identical(rows, "none", facts)
+    assert [m.row.offcpu_ns for m in none] == [100, 50, 70, 30, 10] and n == 5
+    assert merge_identical(rows, "none", facts, limit=2)[0] == none[:2]
+    by_process, n = merge_identical(rows, "process", facts)
+    assert n == 4
     assert [(m.row.pid, m.row.offcpu_ns, m.row.count, m.threads, m.processes)
             for m in by_process] == [(10, 150, 2, 2, 1), (20, 70, 1, 1, 1), (30, 30, 1, 1, 1),
                                      (10, 10, 1, 1, 1)]
     assert by_process[0].row.tid == 11 and by_process[0].row.max_ns == 100
-    by_command = merge_identical(rows, "command", facts)
+    by_command, n = merge_identical(rows, "command", facts)
     assert [(m.row.comm, m.row.offcpu_ns, m.threads, m.processes) for m in by_command] == [
-        ("wl", 220, 3, 2), ("other", 30, 1, 1), ("wl", 10, 1, 1)]
+        ("wl", 220, 3, 2), ("other", 30, 1, 1), ("wl", 10, 1, 1)] and n == 3
+    top, n = merge_identical(rows, "command", facts, limit=1)
+    assert top == by_command[:1] and n == 3
 
 
 def test_the_index_filters_idle_waits_and_finds_frame_text() -> None:

@@ -1,23 +1,25 @@
-"""offcpu.c, compiled, loaded and attached: its maps, read and written by name.
+"""offcpu.c, loaded and attached: its maps, read and written by name.
 
-`Probe` is the only place that talks to bcc. Everything it hands out is
-plain Python data (tuples of ints and bytes, ctypes records copied out of
-mapped memory); the engine turns that into the model. Only `set_threshold`
-may be called from another thread than the one that reads (a single map
-write).
+`Probe` is the only place that knows how the program gets into the kernel
+(`offtop.bpf.loader`: a cached artifact, or bcc compiling in a child
+process on a miss) and how its maps are laid out. Maps are reached by fd
+through the bpf() system call (`offtop.bpf.maps`), never through bcc.
+Everything it hands out is plain Python data (tuples of ints and bytes,
+ctypes records copied out of mapped memory); the engine turns that into
+the model. Only `set_threshold` and `kernel_threshold` may be called from
+another thread than the one that reads (single map operations).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes as ct
 import mmap
+import os
 import struct
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from importlib import resources
-from typing import Any
+from pathlib import Path
 
 from offtop.bpf import environment
 from offtop.bpf.config import EngineConfig, EngineError
@@ -25,13 +27,21 @@ from offtop.bpf.decode import (
     COUNTERS,
     START_TID_OFFSET,
     AccRecord,
+    AggKey,
+    AggValue,
     StartRecord,
     free_slot,
     generation_sums,
     owned_slots,
 )
+from offtop.bpf.loader.cache import DEFAULT_DIR, ArtifactCache
+from offtop.bpf.loader.kernel import LoadedObject, LoadFailed
+from offtop.bpf.loader.load import Compile, LoadReport, load_object
+from offtop.bpf.maps import BPF_NOEXIST, BpfMap
 
-PROBE_FUNCTION = b"tracepoint__sched__sched_switch"
+PROBE_FUNCTION = "tracepoint__sched__sched_switch"
+#: Attached by hand, after the sched_waking probe bcc's naming rule attaches (offcpu.c).
+WAKING_FUNCTION = "on_sched_waking"
 
 # offcpu.c's offtop_config slots.
 CFG_GEN = 0
@@ -39,8 +49,13 @@ CFG_ARMED = 1
 CFG_WAKER_MIN = 3
 #: offcpu.c SLOT_PROBES: a thread's record is in one of these slots from tid % slots.
 SLOT_PROBES = 4
-BPF_NOEXIST = 1
+_U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+_RULE_KEY = struct.Struct("<IIQ")  # offcpu.c struct rule_key
+# offcpu.c struct agg_key and struct agg_val, for decoding a whole map at once.
+_AGG_KEY = struct.Struct("<IIiiIIII")
+_AGG_VAL = struct.Struct("<QQQ16s16sii")
+assert _AGG_KEY.size == ct.sizeof(AggKey) and _AGG_VAL.size == ct.sizeof(AggValue)
 
 #: A waker as the probe keeps it: (tgid, tid, ustack, kstack, what, comm bytes).
 RawWaker = tuple[int, int, int, int, int, bytes]
@@ -49,74 +64,86 @@ RawWaker = tuple[int, int, int, int, int, bytes]
 RawRow = tuple[int, int, int, int, int, int, int, int, bytes, RawWaker]
 
 
+def default_cache() -> ArtifactCache:
+    """/var/cache/offtop, or $OFFTOP_CACHE_DIR (checked alike: see loader.cache)."""
+    return ArtifactCache(Path(os.environ.get("OFFTOP_CACHE_DIR") or DEFAULT_DIR))
+
+
+def _comm(raw: bytes) -> bytes:
+    return raw.split(b"\0", 1)[0]
+
+
 class Probe:
     """The BPF side of offtop (see offcpu.c), behind a small API."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, cache: ArtifactCache | None = None,
+                 compile: Compile | None = None) -> None:
         self.config = config
-        self._bpf: Any = None
-        self._tables: dict[str, Any] = {}
+        self.cache = cache if cache is not None else default_cache()
+        self._compile = compile
+        self._obj: LoadedObject | None = None
         self.slots_mm: mmap.mmap | None = None
         self._acc_mm: mmap.mmap | None = None
         self.prog_fd = -1
         self._gen = 0
+        #: How the program was obtained (cache hit or compile) and what it cost.
+        self.report = LoadReport()
 
     # --- life cycle ---------------------------------------------------------
 
     def load(self, threshold_ns: int) -> None:
-        """Compile and attach offcpu.c and write every map it reads (not armed yet)."""
-        from bcc import BPF  # after environment.prepare(): bcc reads its settings at import
-
+        """Load and attach offcpu.c and write every map it reads (not armed yet)."""
         src = resources.files("offtop.bpf").joinpath("offcpu.c").read_text()
+        tracefs = environment.tracefs_dir()
+        if tracefs is None:
+            raise EngineError("tracefs is not mounted: cannot attach to sched:sched_switch")
+        self._obj, self.report = load_object(src, self.config.cflags(), cache=self.cache,
+                                             tracefs=tracefs, compile=self._compile)
+        obj = self._obj
         try:
-            with environment.captured_stderr() as log:
-                self._bpf = BPF(text=src.encode(), cflags=self.config.cflags())
-        except Exception as e:  # bcc raises bare Exception on compile/load/attach errors
-            raise EngineError(environment.load_failure(str(e), log.text)) from None
+            obj.attach_autoload()
+        except LoadFailed as e:
+            raise EngineError(f"could not load the BPF program: {e.message}") from None
         self.set_threshold(threshold_ns)
-        self._table("offtop_config")[ct.c_int(CFG_WAKER_MIN)] = ct.c_uint64(
-            self.config.waker_stacks_min_ns)
+        self._config_slot(CFG_WAKER_MIN, self.config.waker_stacks_min_ns)
         if self.config.pids or self.config.tids:
-            one = ct.c_uint8(1)
+            one = b"\1"
             for pid in self.config.pids:
-                self._table("pid_filter")[ct.c_uint32(pid)] = one
+                self._map("pid_filter").update(_U32.pack(pid), one)
             for tid in self.config.tids:
-                self._table("tid_filter")[ct.c_uint32(tid)] = one
+                self._map("tid_filter").update(_U32.pack(tid), one)
         if self.config.cgroup is not None:
             try:
-                self._table("cgroup_filter")[0] = self.config.cgroup
-            except Exception as e:
-                raise EngineError(f"cannot use cgroup {self.config.cgroup}: {e}") from None
+                self._map("cgroup_filter").set_cgroup(0, self.config.cgroup)
+            except OSError as e:
+                raise EngineError(f"cannot use cgroup {self.config.cgroup}: {e.strerror or e}") \
+                    from None
         if self.config.wakers:
-            # After the probe bcc attached as it loaded: on_sched_waking reads
+            # After the sched_waking probe attached above: on_sched_waking reads
             # what that one found (offcpu.c).
             try:
-                self._bpf.attach_tracepoint(tp=b"sched:sched_waking", fn_name=b"on_sched_waking")
-            except Exception as e:  # bcc raises bare Exception
-                raise EngineError(f"could not attach to sched:sched_waking: {e} "
+                obj.attach(WAKING_FUNCTION, "sched:sched_waking")
+            except LoadFailed as e:
+                raise EngineError(f"could not attach to sched:sched_waking: {e.message} "
                                   "(--no-wakers runs without it)") from None
-        funcs = self._bpf.funcs
-        self.prog_fd = funcs[PROBE_FUNCTION].fd if PROBE_FUNCTION in funcs else -1
+        self.prog_fd = obj.progs.get(PROBE_FUNCTION, -1)
         # The per-thread records and their short-block sums, mapped: read from memory.
         n = self.config.start_entries
-        self.slots_mm = mmap.mmap(self._table("offcpu_slots").map_fd, n * ct.sizeof(StartRecord),
+        self.slots_mm = mmap.mmap(self._map("offcpu_slots").fd, n * ct.sizeof(StartRecord),
                                   mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._acc_mm = mmap.mmap(self._table("offcpu_acc").map_fd, 2 * n * ct.sizeof(AccRecord),
+        self._acc_mm = mmap.mmap(self._map("offcpu_acc").fd, 2 * n * ct.sizeof(AccRecord),
                                  mmap.MAP_SHARED, mmap.PROT_READ)
 
     def set_perf_fd(self, cpu: int, fd: int) -> None:
         """Point the program's perf event array slot for `cpu` at our ring's fd."""
-        from bcc.libbcc import lib
-
-        table = self._table("offcpu_events")
-        # Not bcc's PerfEventArray bookkeeping: the ring is ours (perf_ring.py).
-        key, leaf = ct.c_int(cpu), ct.c_int(fd)
-        if lib.bpf_update_elem(table.map_fd, ct.byref(key), ct.byref(leaf), 0) < 0:
-            raise EngineError(f"could not attach the perf ring of CPU {cpu}")
+        try:
+            self._map("offcpu_events").update(_U32.pack(cpu), _U32.pack(fd))
+        except OSError:
+            raise EngineError(f"could not attach the perf ring of CPU {cpu}") from None
 
     def arm(self) -> None:
         """Start recording (offcpu.c CFG_ARMED): every map and ring is in place."""
-        self._table("offtop_config")[ct.c_int(CFG_ARMED)] = ct.c_uint64(1)
+        self._config_slot(CFG_ARMED, 1)
 
     def close(self) -> None:
         """Detach and free everything; safe twice."""
@@ -124,81 +151,52 @@ class Probe:
             if mm is not None:
                 mm.close()
         self.slots_mm = self._acc_mm = None
-        if self._bpf is not None:
-            self._detach_tracepoints()
-            self._bpf.cleanup()
-            self._bpf = None
-        self._tables.clear()
+        if self._obj is not None:
+            self._obj.close()  # tracepoints detached in parallel (see LoadedObject.detach_all)
+            self._obj = None
+        self.prog_fd = -1
 
-    def _detach_tracepoints(self) -> None:
-        """Close every tracepoint's perf event at once.
+    def _map(self, name: str) -> BpfMap:
+        if self._obj is None:
+            raise EngineError("the BPF program is not loaded")
+        return self._obj.maps[name]
 
-        The last perf user of a tracepoint waits for an RCU grace period as
-        it goes (tens of ms here); bcc closes them one after another, which
-        with a dozen tracepoints held offtop's exit for over a second. Each
-        close here runs in its own thread (ctypes lets go of the GIL), so
-        the waits overlap.
-        """
-        from bcc.libbcc import lib
-
-        fds = self._bpf.tracepoint_fds
-        closers = [threading.Thread(target=lib.bpf_close_perf_event_fd, args=(fd,),
-                                    name="offtop-detach", daemon=True) for fd in fds.values()]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join(timeout=5.0)
-        fds.clear()
-
-    def _table(self, name: str) -> Any:
-        t = self._tables.get(name)
-        if t is None:
-            t = self._tables[name] = self._bpf.get_table(name.encode())
-        return t
+    def _config_slot(self, slot: int, value: int) -> None:
+        self._map("offtop_config").update(_U32.pack(slot), _U64.pack(value))
 
     # --- knobs ----------------------------------------------------------------
 
     def set_threshold(self, ns: int) -> None:
         """offcpu_thresh_ns: blocks this long or longer become events, from now on."""
-        self._table("offcpu_thresh_ns")[ct.c_int(0)] = ct.c_uint64(ns)
+        self._map("offcpu_thresh_ns").update(_U32.pack(0), _U64.pack(ns))
 
     def kernel_threshold(self) -> int:
         """The threshold as the program reads it now."""
-        return int(self._table("offcpu_thresh_ns")[ct.c_int(0)].value)
+        raw = self._map("offcpu_thresh_ns").lookup(_U32.pack(0))
+        return int(_U64.unpack(raw)[0]) if raw is not None else 0
 
     def forget_target(self, pid: int | None = None, tid: int | None = None) -> None:
         """Stop recording a -p process or a -t thread (gone: its id may be reused)."""
         for name, key in (("pid_filter", pid), ("tid_filter", tid)):
             if key is not None:
-                with contextlib.suppress(KeyError):
-                    del self._table(name)[ct.c_uint32(key)]
+                self._map(name).delete(_U32.pack(key))
 
     def set_unwind_rule(self, tgid: int, pc: int, rule: int) -> None:
         """Teach the probe how to step from `pc` to its caller in `tgid` (offcpu.c unwind_rules)."""
-        from bcc.libbcc import lib
-
-        table = self._table("unwind_rules")
-        key, leaf = table.Key(tgid, 0, pc), ct.c_uint64(rule)
-        lib.bpf_update_elem(table.map_fd, ct.byref(key), ct.byref(leaf), 0)  # LRU: never full
+        # An LRU map is never full; a failure costs only a frame-pointer step.
+        self._map("unwind_rules").try_update(_RULE_KEY.pack(tgid, 0, pc), _U64.pack(rule))
 
     def forget_unwind_rules(self, gone: set[int]) -> int:
         """Delete the rules of processes that are gone (their pids may come back); how many."""
-        table = self._table("unwind_rules")
-        victims = [k for k in table if k.tgid in gone]
-        for k in victims:
-            with contextlib.suppress(KeyError):
-                del table[k]
+        table = self._map("unwind_rules")
+        victims = [k for k in table.all_keys() if _U32.unpack_from(k)[0] in gone]
+        table.delete_many(victims)
         return len(victims)
 
     def seed_record(self, tid: int, rec: StartRecord) -> bool:
         """Give a thread blocked before offtop started a record (overflow hash, never
         replacing one the program made); True if written."""
-        from bcc.libbcc import lib
-
-        table = self._table("offcpu_start")
-        key = ct.c_uint32(tid)
-        return bool(lib.bpf_update_elem(table.map_fd, ct.byref(key), ct.byref(rec),
-                                        BPF_NOEXIST) == 0)
+        return self._map("offcpu_start").try_update(_U32.pack(tid), bytes(rec), BPF_NOEXIST) == 0
 
     def record_of(self, tid: int) -> StartRecord | None:
         """The record of one thread, wherever it is (slot or overflow hash)."""
@@ -208,20 +206,15 @@ class Probe:
             idx = (tid + i) % self.config.start_entries
             if _U64.unpack_from(self.slots_mm, idx * size + START_TID_OFFSET)[0] == tid:
                 return StartRecord.from_buffer_copy(self.slots_mm, idx * size)
-        table = self._table("offcpu_start")
-        try:
-            return StartRecord.from_buffer_copy(table[table.Key(tid)])
-        except KeyError:
-            return None
+        raw = self._map("offcpu_start").lookup(_U32.pack(tid))
+        return StartRecord.from_buffer_copy(raw) if raw is not None else None
 
     def unseed(self, tid: int, ts: int) -> None:
         """Remove a seeded record that still holds `ts` (the thread ran meanwhile)."""
-        table = self._table("offcpu_start")
-        try:
-            if table[table.Key(tid)].ts == ts:
-                del table[table.Key(tid)]
-        except KeyError:
-            pass
+        table = self._map("offcpu_start")
+        raw = table.lookup(_U32.pack(tid))
+        if raw is not None and StartRecord.from_buffer_copy(raw).ts == ts:
+            table.delete(_U32.pack(tid))
 
     # --- reading ----------------------------------------------------------------
 
@@ -234,14 +227,21 @@ class Probe:
         """
         old = self._gen
         self._gen += 1
-        self._table("offtop_config")[ct.c_int(CFG_GEN)] = ct.c_uint64(self._gen)
+        self._config_slot(CFG_GEN, self._gen)
         # sched_switch runs its programs with interrupts off: one that read the
         # old generation finishes within microseconds of the flip.
         time.sleep(0.0005)
-        for k, v in self._table(f"offcpu_agg{old & 1}").items_lookup_and_delete_batch():
-            yield (k.tgid, k.tid, k.state, k.ustack, k.kstack, v.total_ns, v.count, v.max_ns,
-                   bytes(v.comm), (k.waker_tgid, k.waker_tid, v.waker_ustack, v.waker_kstack,
-                                   k.waker_what, bytes(v.waker_comm)))
+        table = self._map(f"offcpu_agg{old & 1}")
+        raw = table.items_raw(delete=True)
+        if raw is None:  # no batch commands here: one entry at a time
+            items = table.items(delete=True)
+            raw = b"".join(k for k, _ in items), b"".join(v for _, v in items), len(items)
+        keys, values, _n = raw
+        for k, v in zip(_AGG_KEY.iter_unpack(keys), _AGG_VAL.iter_unpack(values), strict=True):
+            tgid, tid, us, ks, st, wtgid, wtid, what = k
+            total, mx, count, comm, wcomm, wus, wks = v
+            yield (tgid, tid, st, us, ks, total, count, mx, _comm(comm),
+                   (wtgid, wtid, wus, wks, what, _comm(wcomm)))
         assert self._acc_mm is not None
         for a in generation_sums(self._acc_mm, self.config.start_entries, old):
             w = a.w
@@ -256,8 +256,8 @@ class Probe:
         assert self.slots_mm is not None
         out = [(int(v.tid), v, i)
                for i, v in owned_slots(self.slots_mm, self.config.start_entries)]
-        out += [(k if isinstance(k, int) else int(k.value), v, -1)
-                for k, v in self._table("offcpu_start").items_lookup_batch()]
+        out += [(_U32.unpack(k)[0], StartRecord.from_buffer_copy(v), -1)
+                for k, v in self._map("offcpu_start").items()]
         return out
 
     def free_record(self, tid: int, slot: int) -> None:
@@ -266,46 +266,39 @@ class Probe:
             assert self.slots_mm is not None
             free_slot(self.slots_mm, slot, tid)
         else:
-            table = self._table("offcpu_start")
-            with contextlib.suppress(KeyError):
-                del table[table.Key(tid)]
+            self._map("offcpu_start").delete(_U32.pack(tid))
 
     def counters(self) -> dict[str, int]:
         """offtop_counters, summed over CPUs, by name (decode.COUNTERS)."""
-        table = self._table("offtop_counters")
-        out = {}
-        for i, name in enumerate(COUNTERS):
-            try:
-                out[name] = int(sum(table[ct.c_int(i)]))
-            except (KeyError, IndexError):
-                out[name] = 0
-        return out
+        table = self._map("offtop_counters")
+        sums = dict.fromkeys(range(len(COUNTERS)), 0)
+        for k, v in table.items():
+            i = _U32.unpack(k)[0]
+            if i in sums:
+                sums[i] = sum(_U64.unpack_from(v, c * 8)[0] for c in range(table.ncpus))
+        return {name: sums[i] for i, name in enumerate(COUNTERS)}
 
     # --- stacks -------------------------------------------------------------
 
-    def _stack_table(self, kind: str) -> Any:
-        return self._table("kernel_stacks" if kind == "k" else "user_stacks")
+    def _stack_table(self, kind: str) -> BpfMap:
+        return self._map("kernel_stacks" if kind == "k" else "user_stacks")
 
     def stack(self, kind: str, sid: int) -> tuple[int, ...] | None:
         """The addresses of stack `sid` ('k' or 'u'), innermost first; None if absent."""
         table = self._stack_table(kind)
-        try:
-            leaf = table[table.Key(sid)]
-        except KeyError:
+        raw = table.lookup(_U32.pack(sid & 0xFFFFFFFF))
+        if raw is None:
             return None
-        ips = []
-        for ip in leaf.ip:
-            if not ip:
-                break
-            ips.append(int(ip))
-        return tuple(ips)
+        ips = struct.unpack(f"<{len(raw) // 8}Q", raw)
+        try:
+            return ips[:ips.index(0)]
+        except ValueError:
+            return ips
 
     def stack_ids(self, kind: str) -> Iterable[int]:
         """Every id in use in a stack map."""
-        return [int(key.value) for key in self._stack_table(kind)]
+        return [struct.unpack("<i", k)[0] for k in self._stack_table(kind).all_keys()]
 
     def delete_stack(self, kind: str, sid: int) -> None:
         """Free a stack id (the kernel never does)."""
-        table = self._stack_table(kind)
-        with contextlib.suppress(KeyError):
-            del table[table.Key(sid)]
+        self._stack_table(kind).delete(_U32.pack(sid & 0xFFFFFFFF))

@@ -24,6 +24,16 @@ PERF_EVENT_OPEN: dict[str, int] = {"x86_64": 298, "aarch64": 241, "riscv64": 241
 
 # bpf() commands (linux/bpf.h, enum bpf_cmd).
 BPF_MAP_CREATE = 0
+BPF_MAP_LOOKUP_ELEM = 1
+BPF_MAP_UPDATE_ELEM = 2
+BPF_MAP_DELETE_ELEM = 3
+BPF_MAP_GET_NEXT_KEY = 4
+BPF_PROG_LOAD = 5
+BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_MAP_LOOKUP_BATCH = 24
+BPF_MAP_LOOKUP_AND_DELETE_BATCH = 25
+BPF_MAP_UPDATE_BATCH = 26
+BPF_MAP_DELETE_BATCH = 27
 BPF_ENABLE_STATS = 32
 BPF_STATS_RUN_TIME = 0
 
@@ -62,6 +72,12 @@ def perf_event_open(attr: ct.Structure, pid: int, cpu: int, group_fd: int, flags
     """perf_event_open(2): an fd, or -errno."""
     nr = number(PERF_EVENT_OPEN, "perf_event_open")
     res = int(libc().syscall(nr, ct.byref(attr), pid, cpu, group_fd, flags))
+    return res if res >= 0 else -ct.get_errno()
+
+
+def ioctl(fd: int, request: int, arg: int) -> int:
+    """ioctl(fd, request, arg) with an integer argument: the result, or -errno."""
+    res = int(libc().ioctl(ct.c_int(fd), ct.c_ulong(request), ct.c_ulong(arg)))
     return res if res >= 0 else -ct.get_errno()
 
 

@@ -28,6 +28,7 @@ from offtop.widgets.render import (
     bar,
     chain_summary,
     log_fraction,
+    set_titles,
     severity_style,
     state_text,
     task_label,
@@ -155,11 +156,9 @@ class BlockedNowTable(LineTable[int]):
         title = f"Blocked now ({len(self._blocked)})"
         if self._woke:
             title += f" · {len(self._woke)} woke since"
-        self.border_title = title
-        if any(b.before_start for b in self._blocked.values()):
-            self.border_subtitle = f"{ESTIMATED} blocked before offtop started (estimated)"
-        else:
-            self.border_subtitle = ""
+        estimated = any(b.before_start for b in self._blocked.values())
+        set_titles(self, title, f"{ESTIMATED} blocked before offtop started (estimated)"
+                   if estimated else "")
 
     def on_line_table_row_selected(self, event: LineTable.RowSelected) -> None:
         """Enter: ask the app to open this block's stack."""

@@ -4,7 +4,8 @@ The root (the scope: all tasks, a process, a task) is the top line; below
 it, frame by frame from the outermost (`_start`, `start_thread`) into the
 kernel, each frame is a bar as wide as the off-CPU time spent below it.
 Siblings are ordered hottest first, so the hot path runs down the left.
-Kernel frames are warm, user frames cool (as everywhere in offtop).
+Kernel frames are warm, user frames cool, Python functions green (as everywhere
+in offtop).
 
 Two layers:
 
@@ -49,14 +50,15 @@ from offtop.model import Frame, StackRow
 from offtop.report import fold_name
 from offtop.safe_text import printable
 from offtop.units import format_ns
-from offtop.widgets.render import KERNEL_STYLE, USER_STYLE
+from offtop.widgets.render import KERNEL_STYLE, PYTHON_STYLE, USER_STYLE
 
 GroupBy = Literal["none", "process", "thread"]
 """The level under the root: none, one bar per process, or one per thread."""
 
 #: Node kinds (what colour a bar gets).
-ROOT, GROUP, KERNEL, USER, UNKNOWN = range(5)
-_KIND_NAMES = {ROOT: "scope", GROUP: "task", KERNEL: "kernel", USER: "user", UNKNOWN: "unresolved"}
+ROOT, GROUP, KERNEL, USER, UNKNOWN, PYTHON = range(6)
+_KIND_NAMES = {ROOT: "scope", GROUP: "task", KERNEL: "kernel", USER: "user", UNKNOWN: "unresolved",
+               PYTHON: "python"}
 
 #: A node's identity below its parent: (kind, name). The kernel/user split
 #: keeps a user `read` apart from a kernel `read`.
@@ -161,7 +163,9 @@ class FlameTree:
         if f.unknown:
             # An unresolved kernel address is not an unresolved user one.
             return (UNKNOWN, "k:" + f.name if f.kernel else f.name)
-        return (KERNEL if f.kernel else USER, f.name)
+        if f.kernel:
+            return (KERNEL, f.name)
+        return (PYTHON if f.name.startswith("py:") else USER, f.name)
 
     def _build(self) -> None:
         # Each stack becomes a tuple of key ids (comprehensions: the cheapest
@@ -238,7 +242,7 @@ class FlameTree:
         return self.key_names[self.keys[node]]
 
     def kind(self, node: int) -> int:
-        """ROOT, GROUP, KERNEL, USER or UNKNOWN."""
+        """ROOT, GROUP, KERNEL, USER, PYTHON or UNKNOWN."""
         return self.node_keys[self.keys[node]][0]
 
     def key_of(self, node: int) -> NodeKey:
@@ -423,12 +427,15 @@ class FlameGraph(ScrollView, can_focus=True):
         Binding("right", "cursor_right", "Right", show=False),
         Binding("up", "cursor_up", "Caller", show=False),
         Binding("down", "cursor_down", "Callee", show=False),
+        Binding("k", "cursor_up", "Caller", show=False, id="flame.up"),
+        Binding("j", "cursor_down", "Callee", show=False, id="flame.down"),
     ]
 
-    #: Bar colours: kernel warm, user cool (render.py's), unresolved grey.
+    #: Bar colours: kernel warm, user cool, Python green (render.py's), unresolved grey.
     KIND_STYLES: ClassVar[dict[int, tuple[Style, ...]]] = {
         KERNEL: _shades(KERNEL_STYLE),
         USER: _shades(USER_STYLE),
+        PYTHON: _shades(PYTHON_STYLE),
         UNKNOWN: (Style(color="#1a1a1a", bgcolor="#9a9a9a", italic=True),),
         GROUP: _shades("#b8a1e3"),
         ROOT: (Style(color="#f0f0f0", bgcolor="#4a4f5a", bold=True),),

@@ -34,6 +34,7 @@ from offtop.widgets.arrivals import Taken
 from offtop.widgets.render import (
     chain_summary,
     clock_time,
+    set_titles,
     severity_style,
     state_text,
     task_label,
@@ -176,7 +177,7 @@ class LongBlocksLog(Widget, can_focus=True):
         self._update_titles()
 
     def _update_titles(self) -> None:
-        self.border_title = f"Long blocks ≥ {format_ns(self.threshold_ns)}"
+        title = f"Long blocks ≥ {format_ns(self.threshold_ns)}"
         sub = f"{self.seen:,} seen"
         if self.seen > len(self._blocks):
             sub += f" · newest {len(self._blocks):,} listed"
@@ -184,7 +185,7 @@ class LongBlocksLog(Widget, can_focus=True):
             sub += f" · {self.lost:,} lost"
         if self._top is not None:
             sub += " · End: follow"
-        self.border_subtitle = sub
+        set_titles(self, title, sub)
 
     # --- moving -------------------------------------------------------------
 

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 from rich.console import OverflowMethod
 from rich.text import Text
+from textual.content import Content
+from textual.widget import Widget
 
 from offtop.model import SCHEDULER_FRAMES, Frame
 from offtop.safe_text import printable
@@ -216,3 +218,16 @@ def task_label(comm: str, pid: int, tid: int | None = None) -> Text:
     t = untrusted_text(comm, "bold")
     t.append(f" {pid}" if tid is None or tid == pid else f" {pid}/{tid}", style="dim")
     return t
+
+
+def set_titles(widget: Widget, title: str | Text, subtitle: str | Text = "") -> None:
+    """Set a pane's border title and subtitle, only those that changed.
+
+    Textual repaints the whole widget at each set, changed or not: a pane
+    setting its titles at every tick would be drawn again in full at every
+    tick, when only a few of its cells changed.
+    """
+    for name, value in (("border_title", title), ("border_subtitle", subtitle)):
+        markup = Content.from_rich_text(value).markup if isinstance(value, Text) else value
+        if getattr(widget, name) != (markup or None):
+            setattr(widget, name, value)

@@ -41,6 +41,14 @@ class Scope:
     label: str = ""
     """What `block` is ("blocked now", "long block that ended at …")."""
 
+    def holds(self, stack: StackRow) -> bool:
+        """True if `stack` is one of this scope's (of any snapshot)."""
+        if self.key is not None:
+            return (stack.pid if self.key.is_process else stack.tid) == self.key.id
+        if self.kind == "command":
+            return stack.comm == self.comm
+        return self.kind == "all"
+
     @classmethod
     def task(cls, key: RowKey | None) -> Scope:
         """A thread or a process (nothing if `key` is None)."""
@@ -98,7 +106,7 @@ class ScopeStacks:
         if scope.kind == "none":
             pass
         elif cumulative:
-            source = [s for s in self.since or () if _in_scope(s, scope)]
+            source = [s for s in self.since or () if scope.holds(s)]
         elif scope.key is not None:
             source = index.stacks_of(scope.key)
             if source:
@@ -170,12 +178,6 @@ def _keep(memory: dict[K, V], key: K, value: V, limit: int) -> None:
     memory[key] = value
     while len(memory) > limit:
         del memory[next(iter(memory))]
-
-
-def _in_scope(s: StackRow, scope: Scope) -> bool:
-    if scope.key is not None:
-        return (s.pid if scope.key.is_process else s.tid) == scope.key.id
-    return scope.kind != "command" or s.comm == scope.comm
 
 
 def _task_matches(s: StackRow, needle: str) -> bool:

@@ -10,15 +10,18 @@ started instead of showing the last interval.
 
 The pane keeps what it needs to stay put while the data moves: the last
 stacks of an idle task (shown as "last seen"), the callchain tree's owner,
-and the flame graph's tree, which is built in a worker thread and only
-while the flame graph is on screen. It sets its own title and subtitle.
+and the flame graph's tree, which is built in a worker thread, only while
+the flame graph is on screen, and for a big graph not at every tick (at
+most a tenth of the time goes to building). It sets its own title and
+subtitle.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from rich.text import Text
 from textual import on, work
@@ -39,6 +42,7 @@ from offtop.model import (
 from offtop.units import format_ns
 from offtop.widgets.callchain_tree import CallchainTree, Path, stack_path
 from offtop.widgets.flame_graph import FlameGraph, FlameTree, GroupBy
+from offtop.widgets.render import set_titles
 from offtop.widgets.scopes import ALL, Scope, ScopeStacks
 from offtop.widgets.stack_table import StackKey, StackTable
 
@@ -64,6 +68,10 @@ class ViewData:
 class StacksPane(ContentSwitcher):
     """Stacks, callchain tree or flame graph of a scope (see module docstring)."""
 
+    #: After building a flame tree in `t` seconds, new data waits `t` times
+    #: this before the next build (a big graph is not rebuilt every tick).
+    FLAME_IDLE_FACTOR: ClassVar[float] = 9.0
+
     index: reactive[SnapshotIndex] = reactive(SnapshotIndex.empty, init=False)
     """The snapshot shown (the app binds it)."""
     show_kernel: reactive[bool] = reactive(True, init=False)
@@ -85,12 +93,14 @@ class StacksPane(ContentSwitcher):
     """Stacks summed since offtop started, not the last interval's."""
 
     class SinceStartReady(Message):
-        """The since-start ranking, worked out in a thread."""
+        """The since-start ranking of a scope, worked out in a thread."""
 
-        def __init__(self, rows: tuple[StackRow, ...], seq: int) -> None:
+        def __init__(self, rows: tuple[StackRow, ...], seq: int,
+                     wanted: tuple[Scope, int | None]) -> None:
             super().__init__()
             self.rows = rows
             self.seq = seq
+            self.wanted = wanted
 
     class ViewChanged(Message):
         """The pane shows another view (the app adapts the layout)."""
@@ -102,10 +112,12 @@ class StacksPane(ContentSwitcher):
     class FlameReady(Message):
         """A flame graph's tree, built in a thread."""
 
-        def __init__(self, tree: FlameTree, inputs: tuple[Hashable, ...]) -> None:
+        def __init__(self, tree: FlameTree, inputs: tuple[Hashable, ...],
+                     build_s: float) -> None:
             super().__init__()
             self.tree = tree
             self.inputs = inputs
+            self.build_s = build_s
 
     def __init__(self, since_start: SinceStart, *, id: str | None = None,
                  classes: str | None = None) -> None:
@@ -119,7 +131,9 @@ class StacksPane(ContentSwitcher):
         self._focus_path: Path | None = None
         self._searched = ""
         self._since_seq = -1
+        self._since_for: tuple[Scope, int | None] | None = None
         self._flame_inputs: tuple[Hashable, ...] = ()
+        self._flame_due = 0.0
 
     def compose(self) -> ComposeResult:
         yield StackTable(id="stacks")
@@ -194,7 +208,7 @@ class StacksPane(ContentSwitcher):
     def watch_index(self, index: SnapshotIndex) -> None:
         self.scopes.seen(index, (self.selected, self.opened.key))
         if self.cumulative:
-            self._rank_since_start(index.snapshot.seq)
+            self._rank_since_start()
         self._refresh()
 
     def watch_view(self, view: View) -> None:
@@ -211,9 +225,7 @@ class StacksPane(ContentSwitcher):
             self._refresh()
 
     def watch_cumulative(self, cumulative: bool) -> None:
-        self.scopes.since = None
-        if cumulative:
-            self._rank_since_start(self.index.snapshot.seq)
+        self.scopes.since, self._since_seq, self._since_for = None, -1, None
         self._refresh()
 
     def watch_merge(self) -> None:
@@ -251,6 +263,8 @@ class StacksPane(ContentSwitcher):
     def _refresh(self, *, focus: Path | None = None) -> None:
         if not self.is_mounted:
             return
+        if self.cumulative and self._since_for != self._since_wanted():
+            self._rank_since_start()  # other totals are wanted: they come from a thread
         if self.view == "stacks":
             self._refresh_table()
         elif self.view == "tree":
@@ -261,10 +275,10 @@ class StacksPane(ContentSwitcher):
     def _refresh_table(self) -> None:
         scope = self._table_scope()
         stacks, stale = self._stacks_of(scope)
-        merged = merge_identical(stacks, self.merge, self.index.facts)
         everything = scope.kind == "all"
         limit = StackTable.MAX_ROWS_ALL if everything else StackTable.MAX_ROWS
-        rows = [(self._row_key(m), m) for m in merged[:limit]]
+        merged, in_all = merge_identical(stacks, self.merge, self.index.facts, limit)
+        rows = [(self._row_key(m), m) for m in merged]
         total = sum(s.offcpu_ns for s in stacks)
         self.query_one(StackTable).show(
             rows, scope="all" if everything else "task", merged=self.merge != "none",
@@ -272,7 +286,7 @@ class StacksPane(ContentSwitcher):
         title = Text("All stacks by off-CPU time" if everything else "Stacks of ", end="")
         if not everything:
             title.append_text(self._scope_title(scope))
-        self._set_titles(title, self._table_subtitle(len(stacks), len(merged), len(rows), stale))
+        self._set_titles(title, self._table_subtitle(len(stacks), in_all, len(rows), stale))
 
     def _row_key(self, m: MergedStack) -> StackKey:
         s = m.row
@@ -339,11 +353,15 @@ class StacksPane(ContentSwitcher):
         group: GroupBy = ("process" if scope.kind in ("all", "command")
                           else "thread" if scope.key is not None and scope.key.is_process
                           else "none")
-        inputs = (self.index.snapshot.seq, scope, self.cumulative, self._since_seq,
-                  self.hide_idle, self.show_kernel, self.show_user, len(stacks))
-        if inputs != self._flame_inputs:
+        what = (scope, self.cumulative, self.hide_idle, self.show_kernel, self.show_user)
+        inputs = (what, self.index.snapshot.seq, self._since_seq)
+        # New data for the same graph waits while the last build is recent:
+        # the builds of a big graph take at most a tenth of the time.
+        due = what != self._flame_inputs[:1] or time.monotonic() >= self._flame_due
+        if inputs != self._flame_inputs and due:
             self._flame_inputs = inputs
-            self._build_flame(stacks, self._scope_title(scope).plain, group, inputs)
+            self._build_flame(stacks, self._scope_title(scope).plain, group, inputs,
+                              (self.show_kernel, self.show_user))
         if self._searched != self.filter_text.strip():
             self._search()
 
@@ -354,28 +372,49 @@ class StacksPane(ContentSwitcher):
 
     @work(thread=True, exclusive=True, group="flame", exit_on_error=False)
     def _build_flame(self, stacks: list[StackRow], title: str, group: GroupBy,
-                     inputs: tuple[Hashable, ...]) -> None:
+                     inputs: tuple[Hashable, ...], frames: tuple[bool, bool]) -> None:
         """Merge the stacks into a flame tree off the event loop."""
-        tree = FlameTree(stacks, title=title, group_by=group, show_kernel=self.show_kernel,
-                         show_user=self.show_user)
-        self.post_message(self.FlameReady(tree, inputs))
+        start = time.monotonic()
+        tree = FlameTree(stacks, title=title, group_by=group, show_kernel=frames[0],
+                         show_user=frames[1])
+        self.post_message(self.FlameReady(tree, inputs, time.monotonic() - start))
 
     @on(FlameReady)
     def _flame_ready(self, message: FlameReady) -> None:
+        self._flame_due = time.monotonic() + self.FLAME_IDLE_FACTOR * message.build_s
         if message.inputs == self._flame_inputs and self.view == "flame":
             self.query_one(FlameGraph).show_tree(message.tree)
 
-    def _rank_since_start(self, seq: int) -> None:
-        self._rank_worker(seq)
+    def _shown_scope(self) -> Scope:
+        return self._table_scope() if self.view == "stacks" else self.opened
+
+    def _since_wanted(self) -> tuple[Scope, int | None]:
+        """The scope whose since-start totals are shown, and how many: the
+        table shows the heaviest rows only, unless they are merged or
+        filtered first; the tree and the flame graph need them all."""
+        plain = (self.view == "stacks" and self.merge == "none" and not self.hide_idle
+                 and not self.filter_text.strip())
+        return self._shown_scope(), StackTable.MAX_ROWS_ALL if plain else None
+
+    def _rank_since_start(self) -> None:
+        wanted = self._since_wanted()
+        if wanted[0].kind != "none":
+            self._since_for = wanted
+            self._rank_worker(self.index.snapshot.seq, wanted)
 
     @work(thread=True, exclusive=True, group="since-start", exit_on_error=False)
-    def _rank_worker(self, seq: int) -> None:
-        """Rank the since-start totals off the event loop."""
-        self.post_message(self.SinceStartReady(self.since_start.ranked(), seq))
+    def _rank_worker(self, seq: int, wanted: tuple[Scope, int | None]) -> None:
+        """Rank a scope's since-start totals off the event loop."""
+        scope, limit = wanted
+        rows = self.since_start.ranked(scope.holds, limit)
+        self.post_message(self.SinceStartReady(rows, seq, wanted))
 
     @on(SinceStartReady)
     def _since_start_ready(self, message: SinceStartReady) -> None:
-        if self.cumulative:
+        # A ranking older than the one shown (a slow thread), or of a scope
+        # no longer shown, is dropped.
+        if (self.cumulative and message.seq >= self._since_seq
+                and message.wanted == self._since_for):
             self.scopes.since, self._since_seq = message.rows, message.seq
             self._refresh()
 
@@ -384,8 +423,7 @@ class StacksPane(ContentSwitcher):
     def _set_titles(self, title: Text, subtitle: Text) -> None:
         if self.cumulative:
             title.append(" since start", style="bold")
-        self.border_title = title
-        self.border_subtitle = subtitle
+        set_titles(self, title, subtitle)
 
     def _scope_title(self, scope: Scope) -> Text:
         return self.scopes.title(scope, self.index)

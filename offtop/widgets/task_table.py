@@ -36,6 +36,7 @@ from offtop.widgets.render import (
     number_text,
     rate_parts,
     rate_text,
+    set_titles,
     untrusted_text,
 )
 
@@ -279,17 +280,20 @@ class TaskTable(LineTable[RowKey]):
             self.idle_rows = 0
         # The followed task stays listed while it has nothing to report, so
         # the cursor (and the stacks pane) do not jump away from it.
-        if cursor is not None and all(r.key != cursor for r in matching):
+        # Rows are told by their ids here, not by `RowKey`s: a key made per
+        # row and compared per row costs milliseconds at 2,000 rows.
+        ident = _pid if self.processes else _tid
+        if cursor is not None and all(ident(r) != cursor.id for r in matching):
             last = self._shown.get(cursor)
             if last is not None:
                 matching.append(_idle(last))
         self.matching_rows = len(matching)
         spec = self.sort_spec
-        matching.sort(key=lambda r: r.key)
+        matching.sort(key=ident)
         matching.sort(key=_sort_value(spec.column, self.processes), reverse=spec.reverse)
         shown = matching[: self.MAX_ROWS]
-        if cursor is not None and all(r.key != cursor for r in shown):
-            kept = next((r for r in matching if r.key == cursor), None)
+        if cursor is not None and all(ident(r) != cursor.id for r in shown):
+            kept = next((r for r in matching if ident(r) == cursor.id), None)
             if kept is not None:
                 shown[-1:] = [kept]
         self._shown = {r.key: r for r in shown}
@@ -313,14 +317,14 @@ class TaskTable(LineTable[RowKey]):
         if self.width_class == "compact":
             del raw[3:5]
         elif self.width_class == "wide":
-            stacks = self.index.stacks_of(r.key)
-            raw.append(self.index.facts(stacks[0]).blocked_in if stacks else None)
+            top = self.index.hottest(r.key)
+            raw.append(self.index.facts(top).blocked_in if top is not None else None)
             raw.append(r.cmdline if isinstance(r, ProcessRow) else self.index.cmdline(r.pid))
         return tuple(raw)
 
     def _update_titles(self) -> None:
         what = "processes" if self.processes else "threads"
-        self.border_title = f"{what.capitalize()} by off-CPU time"
+        title = f"{what.capitalize()} by off-CPU time"
         # A Text, not a string: Textual parses a string title as markup, and
         # the filter is typed text ("[/usr]" would raise MarkupError).
         sub = Text(f"{self.total_rows:,} {what}", end="")
@@ -335,7 +339,7 @@ class TaskTable(LineTable[RowKey]):
         if self.follow:
             sub.append(" · following")
         sub.append(f" · sort {self.sort_spec.label()}")
-        self.border_subtitle = sub
+        set_titles(self, title, sub)
 
     def render_cell(self, column: str, value: Hashable) -> Text:
         """A cell: numbers right-aligned, zero dim, names literal."""
@@ -390,6 +394,14 @@ class TaskTable(LineTable[RowKey]):
         event.stop()
         if isinstance(event.key, RowKey):
             self.post_message(self.TaskChosen(self, event.key))
+
+
+def _tid(row: Row) -> int:
+    return row.tid if isinstance(row, TaskRow) else row.pid
+
+
+def _pid(row: Row) -> int:
+    return row.pid
 
 
 def _idle(row: Row) -> Row:

@@ -1,0 +1,158 @@
+"""The compiler process: bcc compiles offcpu.c here, and what it made is printed.
+
+Run by `offtop.bpf.loader.compiler` as ``python -I bcc_child.py`` (isolated:
+no PYTHON* variables, no user site, not even this file's directory on the
+path), so it imports nothing but the standard library and libbcc, and
+LLVM's ~140 MB live and die with this process, never offtop's.
+
+Input (stdin, JSON): {"source", "cflags", "parent"}. Output (the original
+stdout, JSON): the module as bcc built it, or {"error": kind, "message"}.
+Everything C code prints goes to stderr, which the parent keeps as the
+compile log. The compile is exactly `bcc.BPF(text=source, cflags=cflags)`'s
+(`bpf_module_create_c_from_string` with debug 0 and allow_rlimit, after an
+empty USDT prologue), without its autoload: nothing is verified or
+attached here; the parent loads the programs itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes as ct
+import importlib.util
+import json
+import os
+import re
+import signal
+import sys
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the thread that started it goes (offtop exits, is killed)."""
+    try:
+        libc = ct.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # gone before the line above took effect
+        os._exit(1)
+
+
+def _bcc_version() -> str:
+    """bcc's version, from its Python package (not imported: nothing of it is needed)."""
+    spec = importlib.util.find_spec("bcc")
+    if spec is None or spec.origin is None:
+        return "unknown"
+    try:
+        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+            m = re.search(r"__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read())
+    except OSError:
+        return "unknown"
+    return m.group(1) if m else "unknown"
+
+
+def _mapped_path(fragment: str) -> str:
+    """The file of a shared library this process has mapped, by part of its name."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and fragment in os.path.basename(parts[5].strip()):
+                return parts[5].strip()
+    return ""
+
+
+def _declare(lib: Any) -> None:
+    """Prototypes of the libbcc functions used here (bcc_common.h)."""
+    vp, sz, cp, i = ct.c_void_p, ct.c_size_t, ct.c_char_p, ct.c_int
+    protos: dict[str, tuple[Any, list[Any]]] = {
+        "bpf_module_create_c_from_string": (vp, [cp, ct.c_uint, ct.POINTER(cp), i, ct.c_bool, cp]),
+        "bpf_module_destroy": (None, [vp]),
+        "bpf_module_license": (cp, [vp]),
+        "bpf_module_kern_version": (ct.c_uint, [vp]),
+        "bpf_num_functions": (sz, [vp]),
+        "bpf_function_name": (cp, [vp, sz]),
+        "bpf_function_start": (vp, [vp, cp]),
+        "bpf_function_size": (sz, [vp, cp]),
+        "bpf_num_tables": (sz, [vp]),
+        "bpf_table_name": (cp, [vp, sz]),
+        "bpf_table_fd_id": (i, [vp, sz]),
+        "bpf_table_type_id": (i, [vp, sz]),
+        "bpf_table_max_entries_id": (sz, [vp, sz]),
+        "bpf_table_flags_id": (i, [vp, sz]),
+        "bpf_table_key_size_id": (sz, [vp, sz]),
+        "bpf_table_leaf_size_id": (sz, [vp, sz]),
+    }
+    for name, (res, args) in protos.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+
+
+def _emit(out: Any, doc: dict[str, Any]) -> None:
+    out.write(json.dumps(doc))
+    out.flush()
+
+
+def compile_module(lib: Any, source: str, cflags: list[str]) -> dict[str, Any] | None:
+    """Compile with bcc and describe the module; None if it did not compile."""
+    arr = (ct.c_char_p * len(cflags))(*[f.encode() for f in cflags])
+    mod = lib.bpf_module_create_c_from_string(source.encode(), 0, arr, len(cflags), True, None)
+    if not mod:
+        return None
+    try:
+        maps = []
+        for i in range(lib.bpf_num_tables(mod)):
+            maps.append({
+                "name": lib.bpf_table_name(mod, i).decode(),
+                "fd": lib.bpf_table_fd_id(mod, i),
+                "type": lib.bpf_table_type_id(mod, i),
+                "key_size": lib.bpf_table_key_size_id(mod, i),
+                "value_size": lib.bpf_table_leaf_size_id(mod, i),
+                "max_entries": lib.bpf_table_max_entries_id(mod, i),
+                "flags": lib.bpf_table_flags_id(mod, i),
+            })
+        functions = []
+        for i in range(lib.bpf_num_functions(mod)):
+            name = lib.bpf_function_name(mod, i)
+            start = lib.bpf_function_start(mod, name)
+            size = lib.bpf_function_size(mod, name)
+            functions.append({"name": name.decode(),
+                              "insns": base64.b64encode(ct.string_at(start, size)).decode()})
+        return {"license": (lib.bpf_module_license(mod) or b"").decode(),
+                "kern_version": lib.bpf_module_kern_version(mod),
+                "maps": maps, "functions": functions}
+    finally:
+        lib.bpf_module_destroy(mod)
+
+
+def main() -> int:
+    """Read the request, compile, print the module (see the module docstring)."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever C code prints on stdout joins the log
+    req = json.loads(sys.stdin.read())
+    _die_with_parent(int(req["parent"]))
+    try:
+        lib = ct.CDLL("libbcc.so.0", use_errno=True)  # as bcc.libbcc loads it
+        _declare(lib)
+    except (OSError, AttributeError) as e:
+        _emit(out, {"error": "import", "message": str(e)})
+        return 1
+    module = compile_module(lib, req["source"], list(req["cflags"]))
+    if module is None:
+        _emit(out, {"error": "compile", "message": "Failed to compile BPF module <text>"})
+        return 1
+    path = _mapped_path("libbcc.so")
+    try:
+        st = os.stat(path)
+        ident = [path, st.st_size, st.st_mtime_ns]
+    except OSError:
+        ident = [path, 0, 0]
+    module["compiler"] = {"bcc": _bcc_version(), "libbcc": ident}
+    _emit(out, module)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

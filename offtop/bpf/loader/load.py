@@ -1,0 +1,115 @@
+"""Source to loaded object: the cache first, bcc (in a child) on a miss, one retry at most.
+
+    key = hash(source, cflags, kernel, bcc)
+    cached artifact for key, trusted and whole?  -> load it
+        the kernel refuses it (verifier, map)?   -> forget it, compile afresh, load that
+    otherwise                                     -> compile, load, store
+    a fresh artifact refused                      -> EngineError (one line, the log in a file)
+
+Per-run constants (offtop's own pid) are compiled as placeholders, so that
+one artifact serves every run, and written in at load (`artifact.patched`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from offtop.bpf import environment
+from offtop.bpf.config import EngineError
+from offtop.bpf.loader import compiler
+from offtop.bpf.loader.artifact import Artifact
+from offtop.bpf.loader.cache import ArtifactCache, cache_key
+from offtop.bpf.loader.compiler import ConstantNotFound
+from offtop.bpf.loader.kernel import LoadedObject, LoadFailed
+
+#: What each per-run -D constant is compiled as: far above any pid (pid_max <= 2^22),
+#: below 2^31 (an instruction's immediate), and unlike any constant in offcpu.c.
+PLACEHOLDERS: dict[str, int] = {"OFFTOP_SELF_TGID": 0x6F667470}
+
+Compile = Callable[[str, list[str], str, Mapping[str, int]], Artifact]
+
+
+@dataclass(slots=True)
+class LoadReport:
+    """How the program came to be loaded (for notices and benchmarks)."""
+
+    how: str = ""            # "cache hit", "compiled", "compiled (not cacheable)"
+    cache_note: str = ""     # why the cache was not used or not written ('' if it was)
+    compile_s: float = 0.0   # time in the compiler process
+    load_s: float = 0.0      # maps created and programs verified
+
+
+def split_constants(cflags: list[str]) -> tuple[list[str], dict[str, int]]:
+    """`cflags` with per-run -D values replaced by placeholders, and those values."""
+    out, values = [], {}
+    for flag in cflags:
+        name, eq, value = flag.removeprefix("-D").partition("=")
+        if flag.startswith("-D") and eq and name in PLACEHOLDERS and value.isdigit() \
+                and int(value) != 0:
+            values[name] = int(value)
+            flag = f"-D{name}={PLACEHOLDERS[name]}"
+        out.append(flag)
+    return out, values
+
+
+def _fail(e: LoadFailed) -> EngineError:
+    if e.log:
+        return EngineError(environment.load_failure(e.message, e.log))
+    return EngineError(f"could not load the BPF program: {e.message}")
+
+
+def load_object(source: str, cflags: list[str], *, cache: ArtifactCache | None,
+                tracefs: Path, compile: Compile | None = None) -> tuple[LoadedObject, LoadReport]:
+    """The program compiled from `source` with `cflags`, its maps created, loaded, not attached.
+
+    `compile` is `compiler.compile_artifact` unless given (looked up at each
+    call, so a test may replace it).
+    """
+    compile = compile or compiler.compile_artifact
+    report = LoadReport()
+    build_flags, values = split_constants(cflags)
+    placeholders = {n: PLACEHOLDERS[n] for n in values}
+    key = cache_key(source, build_flags, tracefs)
+    if cache is not None:
+        found = cache.get(key)
+        report.cache_note = "" if found.artifact else found.why
+        if found.artifact is not None:
+            t0 = time.monotonic()
+            try:
+                obj = LoadedObject.load(found.artifact, values, tracefs)
+            except LoadFailed as e:
+                if not e.artifact_fault:
+                    raise _fail(e) from None
+                cache.discard(key)
+                report.cache_note = f"cached program refused ({e.message}): compiled afresh"
+            else:
+                report.how, report.load_s = "cache hit", time.monotonic() - t0
+                return obj, report
+    else:
+        report.cache_note = "no cache"
+
+    t0 = time.monotonic()
+    try:
+        art = compile(source, build_flags, key, placeholders)
+        report.how = "compiled"
+    except ConstantNotFound:
+        # The compiler folded a placeholder away: compile this run's values in, uncached.
+        values = {}
+        art = compile(source, cflags, cache_key(source, cflags, tracefs), {})
+        report.how = "compiled (not cacheable)"
+        cache = None
+    report.compile_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    try:
+        obj = LoadedObject.load(art, values, tracefs)
+    except LoadFailed as e:
+        raise _fail(e) from None
+    report.load_s = time.monotonic() - t0
+    if cache is not None:  # only what the kernel took is kept
+        why = cache.put(art)
+        if why:
+            report.cache_note = why
+    return obj, report
