@@ -408,6 +408,8 @@ class BpfSource:
         self._read_ring()
         self._control_flood(now)
         self._check_targets()
+        if self.python is not None:
+            self.python.sample(self._blocked_record)
         iv = self._interval
         rows = iv.rows
         accepts = self.targets.accepts
@@ -579,6 +581,13 @@ class BpfSource:
         return self.stacks.user(pid, self._start_of(pid), sid, deadline=deadline)
 
     # --- the snapshot -------------------------------------------------------
+
+    def _blocked_record(self, tid: int) -> tuple[int, int] | None:
+        """(switch-out time, user stack id) of a thread blocked now; None if it runs."""
+        rec = self.probe.record_of(tid)
+        if rec is None or not rec.ts:
+            return None
+        return rec.ts, rec.ustack
 
     def blocked_waits(self, tids: Iterable[int]) -> Mapping[int, int]:
         """How long each of `tids` has been blocked now (absent: running again).

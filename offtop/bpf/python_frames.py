@@ -70,6 +70,7 @@ class PythonFrames:
         self._by_block: OrderedDict[tuple[int, int], PyThread] = OrderedDict()
         self._by_site: OrderedDict[tuple[int, int], PyThread] = OrderedDict()
         self.skipped = 0  #: processes not read for lack of time, cumulative
+        self._python_pids: set[int] = set()  # processes whose Python stacks could be read
 
     @property
     def failures(self) -> Counter[str]:
@@ -88,6 +89,8 @@ class PythonFrames:
                 self.skipped += 1
                 continue
             res = self._stacks.read_process(pid, {b.tid for b in threads}, budget_s=left)
+            if res.threads:
+                self._python_pids.add(pid)
             for b in threads:
                 t = res.threads.get(b.tid)
                 if t is None or not t.frames:
@@ -95,6 +98,28 @@ class PythonFrames:
                 self._keep(self._by_block, (b.tid, b.ts), t)
                 if b.ustack >= 0:
                     self._keep(self._by_site, (b.tid, b.ustack), t)
+
+    def sample(self, blocked_record: Callable[[int], tuple[int, int] | None]) -> None:
+        """Between snapshots: the Python threads of the Python processes seen so far
+        that are blocked right now, by site (what summed short blocks are given).
+
+        `blocked_record(tid)` is (switch-out time, user stack id) of a thread
+        blocked now, None for one running. Within the same budget as `read`.
+        """
+        end = self._clock() + self._budget
+        for pid in list(self._python_pids):
+            left = end - self._clock()
+            if left <= 0:
+                self.skipped += 1
+                return
+            res = self._stacks.read_process(pid, budget_s=left)
+            if not res.threads:
+                self._python_pids.discard(pid)  # gone, or no longer readable
+                continue
+            for tid, t in res.threads.items():
+                rec = blocked_record(tid)
+                if rec is not None and t.frames and rec[1] >= 0:
+                    self._keep(self._by_site, (tid, rec[1]), t)
 
     def _keep(self, store: OrderedDict[tuple[int, int], PyThread], key: tuple[int, int],
               t: PyThread) -> None:
