@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from offtop.bpf.compiler_memory import _clean_compiler_mappings
+from offtop.bpf.compiler_memory import _clean_compiler_mappings, _compiler_mapped, release_compiler_memory
 
 SMAPS = """\
 7f0000000000-7f0000100000 r-xp 00000000 fe:00 1 /usr/lib/x86_64-linux-gnu/libLLVM-14.so.1
@@ -29,3 +29,20 @@ def test_only_clean_llvm_and_clang_mappings_are_selected() -> None:
         (0x7F0000000000, 0x7F0000100000),
         (0x7F0000200000, 0x7F0000300000),
     ]
+
+
+def test_smaps_is_read_only_when_a_compiler_library_is_mapped() -> None:
+    assert _compiler_mapped(SMAPS)
+    assert not _compiler_mapped("7f00-7f10 r-xp 00000000 fe:00 3 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+
+
+def test_release_in_a_process_without_compiler_libraries_drops_nothing() -> None:
+    """offtop no longer compiles in its own process: nothing of LLVM to give back."""
+    import subprocess
+    import sys
+
+    code = ("from offtop.bpf.compiler_memory import release_compiler_memory as r; "
+            "import sys; print(r(), 'bcc' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "False"]
+    assert release_compiler_memory() >= 0

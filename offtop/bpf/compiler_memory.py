@@ -1,9 +1,11 @@
-"""Give back the memory bcc's compiler used, once the program is loaded.
+"""Give back the memory of compiler libraries mapped into offtop, once the program is loaded.
 
-bcc compiles with clang/LLVM inside the process: afterwards ~25 MB of freed
-heap stays with the process and ~90 MB of libLLVM/libclang pages stay
-resident though nothing runs them again. offtop returns both: the heap with
-malloc_trim(), and those library pages with MADV_DONTNEED, but only on
+bcc compiles in a child process now (`offtop.bpf.loader`), so offtop itself
+runs no compiler; but importing bcc's Python bindings (to check they are
+there) still maps libbcc with libLLVM and libclang: ~55 MB of their pages
+resident though nothing runs them (and a compile in this process, as
+offtop did before, left ~25 MB of freed heap besides). offtop returns both:
+the heap with malloc_trim(), and those library pages with MADV_DONTNEED, but only on
 mappings whose pages are all clean and file-backed, which the kernel reads
 back from the file if they are ever touched again (a later compile works).
 Relocated (dirty) pages are never dropped: discarding them would revert
@@ -42,6 +44,11 @@ def _clean_compiler_mappings(smaps: str) -> list[tuple[int, int]]:
     return out
 
 
+def _compiler_mapped(maps: str) -> bool:
+    """Whether /proc/self/maps shows a compiler library (smaps, 10x longer, only then)."""
+    return _COMPILER_LIBS.search(maps) is not None
+
+
 def release_compiler_memory() -> int:
     """Trim the heap and drop clean compiler-library pages; return ranges dropped."""
     name = ctypes.util.find_library("c")
@@ -51,6 +58,9 @@ def release_compiler_memory() -> int:
     if hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
     try:
+        with open("/proc/self/maps") as f:
+            if not _compiler_mapped(f.read()):
+                return 0
         with open("/proc/self/smaps") as f:
             ranges = _clean_compiler_mappings(f.read())
     except OSError:
