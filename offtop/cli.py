@@ -77,7 +77,7 @@ def _main(streams: StdStreams, argv: list[str], fail: Callable[[str, int], int])
             run = _prepare(streams, argv, cleanup)
         except UsageError as e:
             return fail(f"error: {e}", EXIT_USAGE)
-        except EnvironmentProblem as e:
+        except (EnvironmentProblem, OutputError) as e:
             return fail(str(e), EXIT_FAILURE)
         try:
             return _run(streams, run, fail)

@@ -222,12 +222,12 @@ def parse_limit(text: str | None, fmt: str) -> int:
     """--limit: a whole number (0: everything); only JSON lines are limited."""
     if text is None:
         return DEFAULT_JSON_LIMIT if fmt == "json" else 0
-    if fmt != "json":
-        raise UsageError(f"--limit applies to --format json only (--format {fmt} is always "
-                         "complete)")
     t = text.strip()
     if not t.isdigit():
         raise UsageError(f"invalid --limit {text!r}: expected a whole number (0: no limit)")
+    if fmt != "json":
+        raise UsageError(f"--limit applies to --format json only (--format {fmt} is always "
+                         "complete)")
     return int(t)
 
 

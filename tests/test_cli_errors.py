@@ -79,6 +79,23 @@ BAD_OPTIONS = [
     (["--frobnicate"], ["unrecognized", "--frobnicate"]),
     (["--threshold"], ["--threshold", "expected one argument"]),
     (["--replay", "/nonexistent/recording.jsonl"], ["recording", "No such file"]),
+    (["--limit", "abc"], ["--limit", "'abc'", "whole number"]),
+    (["--limit", "-3"], ["--limit", "'-3'"]),
+    (["--format", "folded", "--limit", "5"], ["--limit applies to --format json only"]),
+    (["--push", "ftp://example.com"], ["invalid push URL", "http(s)://"]),
+    (["--push", "not a url"], ["invalid push URL"]),
+    (["--push", "http://127.0.0.1:9", "--push-label", "novalue"], ["--push-label", "KEY=VALUE"]),
+    (["--push", "http://127.0.0.1:9", "--push-label", "bad key=v"], ["invalid push label"]),
+    (["--push", "http://127.0.0.1:9", "--push-label", "env=a,b"], ["invalid value", "env"]),
+    (["--push", "http://127.0.0.1:9", "--push-name", "my app"], ["invalid push name"]),
+    (["--push", "http://127.0.0.1:9", "--push-header", "X-Org"], ["--push-header", "NAME: VALUE"]),
+    (["--push", "http://127.0.0.1:9", "--push-header", "X-Org: a\r\nHost: evil"],
+     ["--push-header X-Org", "control character"]),
+    (["--push-label", "env=prod"], ["need --push URL"]),
+    (["--push-name", "x"], ["need --push URL"]),
+    (["-o", "/nonexistent-dir/x.pb.gz", "--format", "pprof"], ["cannot write -o", "No such file"]),
+    (["-o", "/tmp", "--format", "pprof"], ["-o /tmp: a directory", "leave out -o"]),
+    (["-o", "/dev/null"], ["-o /dev/null: a device", "not a regular file"]),
 ]
 
 
@@ -100,6 +117,55 @@ def test_pid_that_does_not_exist_is_an_error() -> None:
     assert_one_line_error(r, "no such tid", str(pid))
     r = run_offtop("--batch", "--count", "1", "-p", f"{os.getpid()},{pid}")
     assert_one_line_error(r, "no such pid", str(pid))
+
+
+@pytest.mark.parametrize("args", [["--format", "pprof"], ["--format", "speedscope"],
+                                  ["-o", "x"], ["--limit", "5"]],
+                         ids=["pprof", "speedscope", "output", "limit"])
+def test_batch_only_options_in_the_tui_are_one_line(args: list[str]) -> None:
+    r = run_offtop(*args)
+    assert_one_line_error(r, "needs --batch")
+    assert r.returncode == 2
+
+
+def test_a_recording_refused_from_the_start_is_one_line() -> None:
+    r = run_offtop("--batch", "--count", "1", "--record", "/proc/self/status")
+    assert_one_line_error(r, "cannot write --record /proc/self/status: Invalid argument")
+    assert r.returncode == 1
+
+
+def test_pprof_is_never_written_to_a_terminal() -> None:
+    master, slave = pty.openpty()
+    try:
+        r = subprocess.run([sys.executable, "-m", "offtop.cli", "--batch", "--format", "pprof",
+                            "--count", "1"], stdin=subprocess.DEVNULL, stdout=slave,
+                           stderr=subprocess.PIPE, text=True, timeout=60, cwd=ROOT)
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == ["offtop: error: --format pprof is binary: give -o FILE "
+                                     "or redirect stdout"], r.stderr
+
+
+def test_output_files_are_never_written_through_a_link_or_over_the_replay(
+        tmp_path: Path) -> None:
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    link = tmp_path / "profile.pb.gz"
+    link.symlink_to(target)  # as someone could plant in /tmp
+    for opt in ("-o", "--record"):
+        r = run_offtop("--batch", "--format", "pprof", "--count", "1", opt, str(link))
+        assert_one_line_error(r, f"{opt} {link}: a symbolic link")
+        assert target.read_text() == "keep me"
+    rec = tmp_path / "rec.jsonl"
+    rec.write_text("{}\n")
+    for opt in ("-o", "--record"):
+        r = run_offtop("--batch", "--replay", str(rec), opt, str(rec))
+        assert_one_line_error(r, f"{opt} {rec} is the file being replayed")
+        assert rec.read_text() == "{}\n"
+    r = run_offtop("--replay", str(rec), "--record", str(tmp_path / "x.gz"))
+    assert_one_line_error(r, "--record and --push with --replay need --batch")
 
 
 def test_corrupt_recording_is_one_line(tmp_path: Path) -> None:

@@ -546,3 +546,64 @@ def test_states_only_takes_letters_offtop_can_record(args: list[str],
                        text=True, timeout=60, cwd=ROOT)
     assert_one_line_error(r, "--states", *needles)
     assert r.returncode == 2
+
+
+# --- targets that go away: status 3 ---------------------------------------------------------
+
+
+def reap(w: Any) -> None:
+    """Wait for the workload's exit as its parent, as a shell would (no zombie is left)."""
+    threading.Thread(target=w.proc.wait, daemon=True).start()
+
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("fmt", ["text", "json", "folded", "pprof"])
+def test_batch_ends_with_status_3_once_nothing_is_left_to_watch(bpf_available: None,
+                                                                workloads: Any, fmt: str,
+                                                                tmp_path: Path) -> None:
+    """-p of a process that exits: its last interval is printed, then one line, status 3."""
+    w = workloads("sleep", "100", "20")  # 20 sleeps of 100 ms, then it exits
+    reap(w)
+    out = tmp_path / "whole-run.pb.gz"
+    args = ["-o", str(out)] if fmt == "pprof" else []
+    t0 = time.monotonic()
+    r = subprocess.run([*OFFTOP, "--batch", "--format", fmt, "--interval", "0.5",
+                        "-p", str(w.pid), *args], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert r.returncode == 3, r.stderr
+    assert time.monotonic() - t0 < 30
+    gone = f"pid {w.pid} exited"
+    # Said once, last, as one line (its notice is not said twice).
+    assert r.stderr.splitlines() == [f"offtop: nothing left to watch: {gone}"], r.stderr
+    if fmt == "text":
+        last = r.stdout.rstrip().split("\n\n")[-1].splitlines()  # the last interval's report
+        assert f"notice: {gone}" in last and any("COMM" in line for line in last)
+    elif fmt == "json":
+        last = json.loads(r.stdout.splitlines()[-1])
+        assert last["notices"] == [gone] and last["finished"] == f"nothing left to watch: {gone}"
+        assert any(t["pid"] == w.pid for d in map(json.loads, r.stdout.splitlines())
+                   for t in d["tasks"])
+    elif fmt == "folded":
+        assert any("offtop_wl_sleep" in line for line in r.stdout.splitlines())
+    else:
+        assert out.stat().st_size > 0 and r.stdout == ""
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("fmt", ["json", "folded"])
+def test_a_notice_goes_to_stderr_while_the_run_goes_on(bpf_available: None, workloads: Any,
+                                                       fmt: str) -> None:
+    """Of two processes, one exits: said on stderr (json and folded have no room for it)."""
+    short = workloads("sleep", "100", "5")
+    reap(short)
+    long = workloads("sleep", "100")
+    r = subprocess.run([*OFFTOP, "--batch", "--format", fmt, "--interval", "0.5", "--count", "5",
+                        "-p", f"{short.pid},{long.pid}"], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [f"offtop: pid {short.pid} exited"], r.stderr
+    if fmt == "json":
+        notices = [n for line in r.stdout.splitlines() for n in json.loads(line)["notices"]]
+        assert notices == [f"pid {short.pid} exited"]
+        assert all(not json.loads(line)["finished"] for line in r.stdout.splitlines())

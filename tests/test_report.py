@@ -99,3 +99,48 @@ def test_json_round_trip_keeps_user_modules_notices_and_new_stats() -> None:
     assert back.stats.flood_threshold_ns == 2_000_000
     assert back.stats.symbol_errors == {"bad ELF": 2}
     assert back.stats.offtop_rss_bytes == 80 << 20
+
+
+def test_json_lines_hold_the_top_rows_and_say_how_many_were_left_out() -> None:
+    from offtop.synthetic import synthetic_snapshots
+
+    snap = synthetic_snapshots(1, tasks=120, stacks=300)[0]
+    assert len(snap.tasks) > 10 and len(snap.processes) > 10 and len(snap.stacks) > 10
+    d = snapshot_to_json(snap, limit=10)
+    for key in ("tasks", "processes", "stacks"):
+        rows = getattr(snap, key)
+        assert [r["offcpu_ns"] for r in d[key]] == [r.offcpu_ns for r in rows[:10]]
+        assert d["omitted"][key] == len(rows) - 10
+    # Long blocks and blocked-now are bounded by the capture itself, and kept.
+    assert len(d["long_blocks"]) == len(snap.long_blocks)
+    assert len(d["blocked_now"]) == len(snap.blocked_now)
+    full = snapshot_to_json(snap, limit=0)
+    assert len(full["stacks"]) == len(snap.stacks)
+    assert full["omitted"] == {"tasks": 0, "processes": 0, "stacks": 0}
+    # Folded output is never limited.
+    assert len(folded_lines(snap)) == sum(1 for s in snap.stacks if round(s.offcpu_ns / 1000))
+
+
+def test_the_command_line_bounds_json_by_default_and_keeps_folded_complete(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`--batch --format json`: 100 rows of each kind a line unless --limit says otherwise."""
+    from offtop.report import snapshot_json_line
+    from offtop.synthetic import synthetic_snapshots
+    from tests.conftest import run_offtop
+
+    snaps = synthetic_snapshots(2, tasks=300, stacks=600)
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(snapshot_json_line(s) for s in snaps))
+    for args, n in (([], 100), (["--limit", "7"], 7), (["--limit", "0"], None)):
+        r = run_offtop("--batch", "--format", "json", "--replay", str(path), *args)
+        assert r.returncode == 0, r.stderr
+        lines = [json.loads(x) for x in r.stdout.splitlines()]
+        assert len(lines) == len(snaps)
+        for d, s in zip(lines, snaps, strict=True):
+            for key in ("tasks", "processes", "stacks"):
+                total = len(getattr(s, key))
+                assert total > 7 and (key == "processes" or total > 100)
+                assert len(d[key]) == (total if n is None else min(n, total))
+                assert d["omitted"][key] == total - len(d[key])
+    r = run_offtop("--batch", "--format", "folded", "--replay", str(path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [ln for s in snaps for ln in folded_lines(s)]
