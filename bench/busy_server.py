@@ -506,6 +506,35 @@ def measure(tool: Tool, load: Load, plan: Plan, tag: str) -> dict[str, Any]:
     return out
 
 
+def has_option(code: Code, option: str) -> bool:
+    r = subprocess.run([PY, "-m", "offtop.cli", "--help"], capture_output=True, text=True, cwd=code.cwd,
+                       env={**os.environ, **dict(code.env)})
+    return option in r.stdout
+
+
+def full_census(plan: Plan, load: Load, timeout: float = 180.0) -> dict[str, Any] | None:
+    """offtop batch with `--limit 0` (everything) until its second line: what one interval holds.
+
+    The default output keeps only the top N stacks, and a load thread's
+    time is split over its 8 stacks, so the load's pairs are counted here.
+    """
+    if not has_option(plan.code, "--limit"):
+        return None
+    say("  census: offtop --limit 0 until its second interval")
+    tool = OfftopBatch(plan.code, plan.tool_cpus, ["--limit", "0"])
+    try:
+        end = time.monotonic() + timeout
+        while len(tool.lines) < 2:
+            if not tool.alive() or time.monotonic() > end:
+                say(f"  census: no second line{failure_detail(tool)}")
+                return None
+            time.sleep(0.5)
+        line, pids = tool.last, load.pids()
+    finally:
+        tool.stop()
+    return {**census(line, pids), "bytes": len(line)}
+
+
 def census(line: bytes, load_pids: set[int]) -> dict[str, Any]:
     """What one JSON snapshot holds: tasks, stacks, and the load's (thread, stack) pairs."""
     if not line:
@@ -577,16 +606,25 @@ def run_busy(plan: Plan) -> tuple[dict[str, Any], str]:
                 windows[name].append({"round": r, **w})
                 time.sleep(1.0)
             say(f"  round {r + 1}: " + "  ".join(f"{n}={_brief(windows[n][-1])}" for n in plan.tools))
+        full = full_census(plan, load) if "batch" in plan.tools else None
     finally:
         load.stop()
-    return summarize(plan, windows, censuses, load.paths)
+    res, text = summarize(plan, windows, censuses, load.paths)
+    if full:
+        res["full_census"] = full
+        text += (f"   everything in one interval (offtop --limit 0, {full['interval_s']:.1f} s, a "
+                 f"{full['bytes'] / 1e6:.1f} MB line): {full['tasks']} tasks, {full['stacks']} stacks;\n"
+                 f"             the load's: {full['load_pairs']} (thread, stack) pairs, "
+                 f"{full['load_user_stacks']} distinct user stacks, {full['load_threads']} threads\n")
+    return res, text
 
 
 def failure_detail(tool: Tool) -> str:
     """What the tool said as it failed: offtop batch's stderr, a TUI's screen."""
     text = ""
     if isinstance(tool, OfftopBatch):
-        tool._err.flush()
+        if not tool._err.closed:
+            tool._err.flush()
         text = (OUT / "busy-offtop-batch.stderr").read_text(errors="replace")
     elif isinstance(tool, InTmux) and tool.alive():
         text = tool.screen()
@@ -642,11 +680,9 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
                    f"{foreign} threads: offtop traced it too")
     if censuses:
         c = {k: _d([x[k] for x in censuses if x.get(k) is not None]) for k in censuses[0]}
-        out += [f"   offtop's JSON line at a window's end: {c['tasks'].fmt()} tasks, {c['stacks'].fmt()} "
-                f"stacks, {c['blocked_now'].fmt()} blocked now, in one interval of "
-                f"{c['interval_s'].fmt(digits=1)} s",
-                f"             of them the load's: {c['load_pairs'].fmt()} (thread, stack) pairs, "
-                f"{c['load_user_stacks'].fmt()} distinct user stacks, {c['load_threads'].fmt()} threads"]
+        out.append(f"   offtop's JSON line at a window's end (default output): {c['tasks'].fmt()} "
+                   f"tasks, {c['stacks'].fmt()} stacks ({c['load_pairs'].fmt()} of them the load's), "
+                   f"{c['blocked_now'].fmt()} blocked now, in one interval of {c['interval_s'].fmt(digits=1)} s")
     out += ["", f"   {'tool':32} {'CPU % of one core':>22} {'RSS MB':>18} {'peak RSS MB':>18} "
                 f"{'load blocks/s meanwhile':>26} {'first data s':>20}"]
     per: dict[str, dict[str, Dist]] = {}
@@ -772,16 +808,23 @@ def py_spy() -> str:
     return found
 
 
-def wait_attached(tool: Tool, timeout: float) -> float:
-    """Wait until the tool's BPF program is on sched_switch; seconds from launch."""
+def wait_attached(tool: Tool, timeout: float, quiet_s: float = 2.0) -> float:
+    """Wait until the tool's program is on sched_switch and it attaches nothing more for
+    `quiet_s` (bcc loads and attaches its programs one by one); seconds from launch."""
     end = tool.started_at + timeout
-    while not any(pid == tool.pid for pid, _ in sched_probes()):
+    seen: list[tuple[int, str]] = []
+    since = time.monotonic()
+    while True:
+        now = sorted((pid, tp) for pid, tp in sched_probes() if pid == tool.pid)
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif any(tp == "sched_switch" for _, tp in seen) and time.monotonic() - since >= quiet_s:
+            return since - tool.started_at
         if not tool.alive():
             raise WindowFailed(f"{tool.name} exited before its probe was attached")
         if time.monotonic() > end:
             raise WindowFailed(f"{tool.name}'s probe was not attached within {timeout:.0f} s of launch")
-        time.sleep(0.5)
-    return time.monotonic() - tool.started_at
+        time.sleep(0.25)
 
 
 def profile_one(name: str, load: Load, plan: Plan, rate: int, top: int, native: bool,
