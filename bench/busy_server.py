@@ -682,7 +682,8 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
         c = {k: _d([x[k] for x in censuses if x.get(k) is not None]) for k in censuses[0]}
         out.append(f"   offtop's JSON line at a window's end (default output): {c['tasks'].fmt()} "
                    f"tasks, {c['stacks'].fmt()} stacks ({c['load_pairs'].fmt()} of them the load's), "
-                   f"{c['blocked_now'].fmt()} blocked now, in one interval of {c['interval_s'].fmt(digits=1)} s")
+                   f"{c['blocked_now'].fmt()} blocked now, in one interval of "
+                   f"{c['interval_s'].fmt(digits=1)} s")
     out += ["", f"   {'tool':32} {'CPU % of one core':>22} {'RSS MB':>18} {'peak RSS MB':>18} "
                 f"{'load blocks/s meanwhile':>26} {'first data s':>20}"]
     per: dict[str, dict[str, Dist]] = {}
