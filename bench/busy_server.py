@@ -781,11 +781,26 @@ def function_of(frame: str) -> str:
     return f"{m.group('name')} ({_short_path(m.group('path'))})"
 
 
-def parse_raw(text: str) -> tuple[collections.Counter[str], collections.Counter[str], int]:
-    """(self, inclusive, total samples) of py-spy's raw (folded) output, by function."""
-    own: collections.Counter[str] = collections.Counter()
-    incl: collections.Counter[str] = collections.Counter()
-    total = 0
+# Leaf functions that wait: py-spy's idle test misses some waits (a Condition
+# with a timeout, a selector), so their samples are counted apart, not as work.
+WAITS = frozenset({"Condition.wait", "Event.wait", "EpollSelector.select", "SelectSelector.select",
+                   "PollSelector.select", "Thread.join", "Thread._wait_for_tstate_lock", "Queue.get",
+                   "sleep"})
+
+
+@dataclasses.dataclass
+class Profile:
+    """py-spy's raw samples by function: self and inclusive counts of the working samples."""
+
+    own: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    incl: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    waits: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    total: int = 0  # working samples (waits not counted)
+
+
+def parse_raw(text: str) -> Profile:
+    """py-spy's raw (folded: 'root;...;leaf COUNT') output, grouped by function."""
+    prof = Profile()
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
@@ -794,11 +809,14 @@ def parse_raw(text: str) -> tuple[collections.Counter[str], collections.Counter[
         frames = [function_of(f) for f in stack.split(";") if f]
         if not frames:
             continue
-        total += n
-        own[frames[-1]] += n
+        if frames[-1].split(" (", 1)[0] in WAITS:
+            prof.waits[frames[-1]] += n
+            continue
+        prof.total += n
+        prof.own[frames[-1]] += n
         for f in set(frames):
-            incl[f] += n
-    return own, incl, total
+            prof.incl[f] += n
+    return prof
 
 
 def py_spy() -> str:
@@ -872,24 +890,29 @@ def profile_one(name: str, load: Load, plan: Plan, rate: int, top: int, native: 
     if r.returncode != 0 or not raw.exists():
         raise BenchError(f"py-spy failed ({r.returncode}): {r.stderr.strip()[-400:]}")
     cpu = 100.0 * (k1 - k0) / os.sysconf("SC_CLK_TCK") / (t1 - t0)
-    own, incl, total = parse_raw(raw.read_text())
+    prof = parse_raw(raw.read_text())
+    total = prof.total
     rates = load_rates(a, b)
-    L = [f"\n   {LABELS[name]}: py-spy record --rate {rate} for {seconds:.0f} s, {total:,} samples of "
-         f"running threads; the process used {cpu:.1f} % of one core meanwhile (RSS {rss:.0f} MB); "
-         f"load {rates['blocks_per_s']:.0f} blocks/s; sampled {when}",
-         "   (share: of the samples; % core: that share of the process's measured CPU; raw: "
-         f"{raw.relative_to(ROOT)})"]
-    out: dict[str, Any] = {"cpu_pct": cpu, "rss_mb": rss, "samples": total, "rate": rate, "seconds": seconds,
-                           "when": when, "load": rates}
-    tables = (("self (the function's own code)", own), ("inclusive (the function and what it calls)", incl))
-    for title, counter in tables:
+    waited = ", ".join(f"{fn.split(' (')[0]} {n}" for fn, n in prof.waits.most_common(4))
+    L = [f"\n   {LABELS[name]}: py-spy record --rate {rate} for {seconds:.0f} s, {total:,} working samples "
+         f"(and {sum(prof.waits.values()):,} in waits py-spy took for work: {waited or 'none'}); the process "
+         f"used {cpu:.1f} % of one core meanwhile (RSS {rss:.0f} MB); load {rates['blocks_per_s']:.0f} "
+         f"blocks/s; sampled {when}",
+         "   (share: of the working samples; % core: that share of the process's measured CPU; entries in "
+         f"every sample (the entry chain) left out of inclusive; raw: {raw.relative_to(ROOT)})"]
+    out: dict[str, Any] = {"cpu_pct": cpu, "rss_mb": rss, "samples": total, "wait_samples": dict(prof.waits),
+                           "rate": rate, "seconds": seconds, "when": when, "load": rates}
+    tables = (("self", "self (the function's own code)", prof.own),
+              ("inclusive", "inclusive (the function and what it calls)",
+               collections.Counter({f: n for f, n in prof.incl.items() if n < total})))
+    for key, title, counter in tables:
         L.append(f"\n   {title:90} {'samples':>8} {'share':>7} {'% core':>7}")
         rows = []
         for fn, n in counter.most_common(top):
             share = n / total if total else 0.0
             rows.append([fn, n, share])
             L.append(f"   {fn[:90]:90} {n:8d} {100 * share:6.1f}% {share * cpu:7.2f}")
-        out["self" if counter is own else "inclusive"] = rows
+        out[key] = rows
     return out, L
 
 
