@@ -16,7 +16,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -738,3 +740,162 @@ def test_multipart_boundary_never_occurs_in_the_data() -> None:
     boundary = ctype.split("boundary=")[1]
     assert body.count(boundary.encode()) == 2
     assert body.endswith(f"--{boundary}--\r\n".encode())
+
+
+# --- from the command line: the whole run, written with -o; pushes end to end ---------------
+
+
+def _offtop(*args: str) -> subprocess.Popen[str]:
+    from tests.conftest import ROOT
+
+    return subprocess.Popen([sys.executable, "-m", "offtop.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def _recorded_ns(path: Path, tid: int, function: str) -> tuple[int, float]:
+    """(off-CPU ns of `tid` at stacks through `function`, seconds covered) in a recording."""
+    from offtop.recording import load_recording
+
+    timeline = load_recording(path).timeline
+    ns = sum(st.offcpu_ns for s in timeline for st in s.stacks
+             if st.tid == tid and any(f.name == function for f in st.user))
+    return ns, sum(s.interval_s for s in timeline)
+
+
+@pytest.mark.bpf
+@pytest.mark.usefixtures("bpf_available")
+@pytest.mark.parametrize("stop", ["count", "SIGINT"])
+def test_cli_pprof_covers_the_whole_run(go_pprof: Any, workloads: Any, tmp_path: Path,
+                                        stop: str) -> None:
+    """`--format pprof -o FILE`: every interval, the unfinished last one too on a signal,
+    summed; `go tool pprof -top` shows the workload's function with the recorded total."""
+    w = workloads("sleep", "100")
+    out, rec = tmp_path / "run.pb.gz", tmp_path / "run.gz"
+    args = ["--batch", "--format", "pprof", "-o", str(out), "--record", str(rec),
+            "--interval", "0.5", "-p", str(w.pid)]
+    if stop == "count":
+        p = _offtop(*args, "--count", "4")
+    else:
+        p = _offtop(*args)
+        from offtop.recording import load_recording
+        from tests.conftest import wait_until
+
+        # Two whole intervals recorded, then Ctrl-C in the middle of the third.
+        assert wait_until(lambda: rec.exists() and _intervals(rec, load_recording) >= 2,
+                          timeout=60), p.stderr
+        time.sleep(0.25)
+        p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 0, stderr
+    assert stdout == "" and stderr == ""
+    expected, covered = _recorded_ns(rec, w.tid, "offtop_wl_sleep")
+    assert expected >= 0.9 * covered * 1e9, (expected, covered)
+    if stop == "SIGINT":
+        from offtop.recording import load_recording
+
+        assert load_recording(rec).timeline[-1].interval_s < 0.45  # the unfinished one
+    top = top_ns(go_pprof(out, "-top", "-unit=ns", f"-tagfocus=tid=^{w.tid}$"))
+    assert top["offtop_wl_sleep"][1] == expected
+    assert top["sleep_thread"][1] == expected
+
+
+def _intervals(path: Path, load: Any) -> int:
+    try:
+        return len(load(path).timeline)
+    except Exception:  # not written yet: only the header
+        return 0
+
+
+def _recording_of(tmp_path: Path, snaps: list[Snapshot]) -> Path:
+    from offtop.recording import RecordingHeader, RecordingWriter
+
+    path = tmp_path / "synthetic.gz"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    w = RecordingWriter(fd, RecordingHeader(host="h", kernel="k", scope="all tasks",
+                                            stacks="kernel+user", threshold_ns=100 * MS,
+                                            interval_s=1.0, started=T0))
+    for s in snaps:
+        w.add(s)
+    w.close()
+    return path
+
+
+def test_cli_speedscope_of_a_replay_is_valid_and_complete(speedscope_schema: dict[str, Any],
+                                                          tmp_path: Path) -> None:
+    run = synthetic_snapshots(4, tasks=60, stacks=400)
+    rec = _recording_of(tmp_path, run)
+    p = _offtop("--batch", "--replay", str(rec), "--format", "speedscope")
+    stdout, stderr = p.communicate(timeout=60)  # speedscope is text: stdout is fine
+    assert p.returncode == 0, stderr
+    doc = json.loads(stdout)
+    jsonschema.validate(doc, speedscope_schema)
+    weights = sum(sum(pr["weights"]) for pr in doc["profiles"] if pr["type"] == "sampled")
+    assert weights == sum(st.offcpu_ns for s in run for st in s.stacks)
+
+
+@pytest.mark.bpf
+@pytest.mark.usefixtures("bpf_available")
+def test_cli_speedscope_of_a_workload(speedscope_schema: dict[str, Any], workloads: Any,
+                                      tmp_path: Path) -> None:
+    w = workloads("sleep", "100")
+    out = tmp_path / "run.speedscope.json"
+    p = _offtop("--batch", "--format", "speedscope", "-o", str(out), "--count", "3",
+                "--interval", "0.5", "--threshold", "50ms", "-p", str(w.pid))
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode == 0, stderr
+    doc = json.loads(out.read_text())
+    jsonschema.validate(doc, speedscope_schema)
+    frames = doc["shared"]["frames"]
+    sampled = [pr for pr in doc["profiles"] if pr["type"] == "sampled"]
+    assert sampled[0]["name"] == f"offtop_workload (pid {w.pid})"
+    assert any(frames[i]["name"] == "offtop_wl_sleep" for s in sampled[0]["samples"] for i in s)
+    # 100 ms sleeps over a 50 ms threshold: long blocks, as a timeline of the thread.
+    assert any(pr["type"] == "evented" and pr["name"].endswith(f"{w.pid}/{w.tid}")
+               for pr in doc["profiles"])
+
+
+@pytest.mark.bpf
+@pytest.mark.usefixtures("bpf_available")
+def test_cli_pushes_every_interval_then_says_how_it_went(receiver: Receiver, workloads: Any,
+                                                         go_pprof: Any, tmp_path: Path) -> None:
+    import platform
+
+    w = workloads("sleep", "100")
+    p = _offtop("--batch", "--format", "json", "--count", "3", "--interval", "0.5",
+                "-p", str(w.pid), "--push", receiver.url, "--push-name", "shop.offcpu",
+                "--push-label", "env=test", "--push-header", "X-Scope-OrgID: tenant-a")
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 0, stderr
+    printed = [json.loads(line) for line in stdout.splitlines()]
+    assert len(printed) == 3
+    assert stderr.splitlines() == [f"offtop: push: 3 profiles sent to {receiver.url}/ingest "
+                                   "(0 failed, 0 dropped, 0 retried)"], stderr
+    assert len(receiver.requests) == 3
+    for req, snap in zip(receiver.requests, printed, strict=True):
+        assert req.query["name"] == [f"shop.offcpu{{env=test,host={platform.node()}}}"]
+        assert req.headers["X-Scope-OrgID"] == "tenant-a"
+        assert int(req.query["until"][0]) >= int(snap["time"])
+    path = tmp_path / "pushed.pb.gz"
+    path.write_bytes(receiver.requests[-1].parts["profile"][1])
+    top = top_ns(go_pprof(path, "-top", "-unit=ns", f"-tagfocus=tid=^{w.tid}$"))
+    assert top["offtop_wl_sleep"][1] == sum(
+        s["offcpu_ns"] for s in printed[-1]["stacks"]
+        if s["tid"] == w.tid and "offtop_wl_sleep" in s["user"])
+
+
+def test_cli_push_to_a_dead_endpoint_costs_a_second_at_exit(tmp_path: Path) -> None:
+    """Nothing listens: the run is not held up, the exit waits about a second, and says so."""
+    rec = _recording_of(tmp_path, synthetic_snapshots(3, tasks=20, stacks=50))
+    with ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler) as srv:
+        port = srv.server_address[1]  # bound, then closed: nothing listens there
+    t0 = time.monotonic()
+    p = _offtop("--batch", "--replay", str(rec), "--format", "json",
+                "--push", f"http://user:s3cret@127.0.0.1:{port}")
+    stdout, stderr = p.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 0, stderr
+    assert len(stdout.splitlines()) == 3
+    (line,) = [ln for ln in stderr.splitlines() if "push" in ln]  # (the rest: notices)
+    assert line.startswith(f"offtop: push: 0 profiles sent to http://127.0.0.1:{port}/ingest")
+    assert "refused" in line.lower() and "s3cret" not in line
+    assert took < 10, took
