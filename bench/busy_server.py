@@ -67,6 +67,7 @@ from run import (
     rss_mb,
     say,
     sched_probes,
+    tree_rss_mb,
     write_readme,
 )
 
@@ -471,13 +472,13 @@ def measure(tool: Tool, load: Load, plan: Plan, tag: str) -> dict[str, Any]:
         time.sleep(min(1.0, t0 + seconds - now))
         if not tool.alive():
             raise WindowFailed(f"{tool.name} exited during its measured window")
-        rss.append(rss_mb(tool.pid))
+        rss.append(tree_rss_mb(tool.pid))  # with any child it runs (offtop may compile in one)
     k1, t1 = cpu_ticks(tool.pid), time.monotonic()
     m1, b = machine_switches(), load.sample()
     out: dict[str, Any] = {
         "cpu_pct": 100.0 * (k1 - k0) / os.sysconf("SC_CLK_TCK") / (t1 - t0),
         "rss_mb": statistics.median(rss),
-        "peak_rss_mb": rss_mb(tool.pid, "VmHWM"),
+        "peak_rss_mb": max(rss_mb(tool.pid, "VmHWM"), *rss),
         "load": load_rates(a, b),
         "machine_switches_per_s": (m1 - m0) / (t1 - t0),
         "foreign_load_threads": sum(n for _, n in foreign_loads(load.pids())),
@@ -879,7 +880,7 @@ def profile_one(name: str, load: Load, plan: Plan, rate: int, top: int, native: 
                            capture_output=True, text=True, timeout=seconds + 120)
         k1, t1 = cpu_ticks(tool.pid), time.monotonic()
         b = load.sample()
-        rss = rss_mb(tool.pid)
+        rss = tree_rss_mb(tool.pid)
         alive = tool.alive()
     except WindowFailed as e:
         raise BenchError(f"{e}{failure_detail(tool)}") from None

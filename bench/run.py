@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import platform
 import re
@@ -234,6 +235,45 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float:
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def tree_rss_mb(pid: int) -> float:
+    """VmRSS of a process and all its descendants, summed, in MB (what they hold together)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError, ValueError):
+            rss = rss_mb(p)
+            total += 0.0 if math.isnan(rss) else rss
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return total
+
+
+class TreePeak:
+    """The largest tree_rss_mb(pid) seen, sampled every `step` s in a thread until stop().
+
+    A process's own peak (VmHWM, ru_maxrss) misses what a child holds at the
+    same time: offtop may compile its BPF program in a child process.
+    """
+
+    def __init__(self, pid: int, step: float = 0.01) -> None:
+        self.pid = pid
+        self.peak = 0.0
+        self._step = step
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, tree_rss_mb(self.pid))
+            self._done.wait(self._step)
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join(5)
+        return self.peak
 
 
 def wait_peak_rss_mb(proc: subprocess.Popen[Any], timeout: float) -> float:
@@ -782,7 +822,9 @@ PHASES = (  # (mark, label, short label for the table)
 def bench_startup(ctx: Ctx) -> dict[str, Any]:
     """Launch to the first JSON line of --count 1, alternating with a phase-timed run."""
     plain: list[float] = []
-    peak: list[float] = []
+    peak: list[float] = []  # the larger of the two below
+    own_peak: list[float] = []
+    tree_peak: list[float] = []
     timed: list[float] = []
     phases: dict[str, list[float]] = {k: [] for k, _, _ in PHASES}
     args = ["--batch", "--format", "json", "--count", "1"]
@@ -797,14 +839,18 @@ def bench_startup(ctx: Ctx) -> dict[str, Any]:
             t0 = time.monotonic()
             bg = Background(["taskset", "-c", TRACER_CPU, *argv], f"startup-{which}",
                             env={"OFFTOP_BENCH_T0": repr(t0), **code_env}, cwd=code_dir)
+            tree = TreePeak(bg.proc.pid)
             bg.wait_for(lambda line: True, timeout=60)
             assert bg.first_line_at is not None
             first = bg.first_line_at - t0
             most = wait_peak_rss_mb(bg.proc, 30)
+            together = tree.stop()
             bg.stop()
             if which == "plain":
                 plain.append(first)
-                peak.append(most)
+                own_peak.append(most)
+                tree_peak.append(together)
+                peak.append(max(most, together))
             else:
                 timed.append(first)
                 text = (OUT / "startup-timed.stderr").read_text().strip().splitlines()
@@ -820,12 +866,17 @@ def bench_startup(ctx: Ctx) -> dict[str, Any]:
     d = Dist(tuple(plain))
     pk = Dist(tuple(peak))
     print(f"   launch to first snapshot: {d.fmt(digits=3, unit=' s')}   (target <= 1.5 s)")
-    print(f"   peak RSS (start-up and the first interval; ru_maxrss): {pk.fmt(digits=0, unit=' MB')}   "
-          f"(target <= 150 MB)")
+    print(f"   peak RSS, start-up and the first interval: {pk.fmt(digits=0, unit=' MB')}   "
+          "(target <= 150 MB)")
+    print(f"     of the process (ru_maxrss: its own peak, or a reaped child's if larger) "
+          f"{Dist(tuple(own_peak)).fmt(unit=' MB')}; of the process and its children together "
+          f"(summed, sampled every 10 ms) {Dist(tuple(tree_peak)).fmt(unit=' MB')}")
     print(f"   breakdown (phase-timed runs, medians; first interval is {first_interval} s):")
     for k, label, _ in PHASES:
         print(f"     {label:30} {Dist(tuple(phases[k])).fmt(scale=1e-3, unit=' ms')}")
     return {"runs": ctx.runs, "first_snapshot_s": d.json(), "peak_rss_mb": pk.json(),
+            "own_peak_rss_mb": Dist(tuple(own_peak)).json(),
+            "tree_peak_rss_mb": Dist(tuple(tree_peak)).json(),
             "timed_first_snapshot_s": Dist(tuple(timed)).json(),
             "phases_s": {k: Dist(tuple(v)).json() for k, v in phases.items()},
             "first_interval_s": first_interval, "code": ctx.ref or "working tree"}
@@ -1057,7 +1108,8 @@ def summary_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                      f"{LE} 1.5 s", yes(d["median"] <= 1.5), when("startup")))
         if "peak_rss_mb" in st:
             pk = st["peak_rss_mb"]
-            rows.append(("4. start-up peak RSS (to the first snapshot, ru_maxrss)", f"{_dist(pk, 1, 0)} MB",
+            rows.append(("4. start-up peak RSS (to the first snapshot; offtop and any child it runs)",
+                         f"{_dist(pk, 1, 0)} MB",
                          f"{LE} 150 MB", yes(pk["max"] <= 150), when("startup")))
     mem = res.get("memory", {}).get("result")
     if mem:
