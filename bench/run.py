@@ -1146,6 +1146,16 @@ def busy_rows(b: dict[str, Any], run: str) -> list[tuple[str, str, str, str, str
                        if "cpu_pct" in tools.get(n, {}))
     cpu_target = b["targets"]["cpu_pct"]
     rss_target = b["targets"]["rss_mb"]
+    if load:
+        spec, full = b.get("spec", {}), b.get("full_census")
+        pairs = (f"; in one {full['interval_s']:.1f} s interval {full['load_pairs']:,} (thread, stack) "
+                 f"pairs, {full['load_user_stacks']:,} distinct user stacks" if full else "")
+        rows.append(("7. busy server: the load (bench/workloads/busy_server.c)",
+                     f"{spec.get('procs')} processes {TIMES} {spec.get('threads')} threads, 8 paths: "
+                     f"{_dist(load['blocks_per_s'], 1e3, 1)}k blocks/s, {machine_sw / 1e3:.0f}k switches/s "
+                     f"machine-wide, {_dist(load['exits_per_s'], 1, 1)} processes exiting and as many "
+                     f"starting per s{pairs}",
+                     "the load of issue 14: ~30k blocks/s, ~60k switches/s, ~8,000 pairs, churn", DASH, run))
     for name, label in (("batch", "batch (--format json)"), ("tui", "TUI")):
         t = tools.get(name)
         if not t:
