@@ -31,6 +31,7 @@ from offtop.widgets.arrivals import Taken
 from offtop.widgets.blocked_now import BlockedNowTable
 from offtop.widgets.callchain_tree import merge_stacks, stack_path
 from offtop.widgets.choice_screen import ChoiceScreen
+from offtop.widgets.flame_graph import KERNEL, PYTHON, USER, FlameTree
 from offtop.widgets.header import OfftopHeader, problems_text
 from offtop.widgets.key_bar import KeyBar
 from offtop.widgets.line_table import Column, KeyedRow, KeyedRows, LineTable, layout_columns
@@ -717,3 +718,12 @@ def test_scopes_of_a_command_a_block_and_all_tasks() -> None:
     scopes.since = snap.stacks
     since, _ = scopes.stacks(Scope.command("nginx"), index, cumulative=True)
     assert since == nginx
+
+
+def test_python_frames_are_a_kind_of_their_own_in_the_flame_graph() -> None:
+    py = StackRow(pid=1, tid=1, comm="app", state="S", offcpu_ns=10, count=1, max_ns=10,
+                  kernel=(Frame("schedule", "kernel", True),),
+                  user=(Frame("read", "libc.so.6"), Frame("py:Queue.get (queue.py:171)", "q.py")))
+    tree = FlameTree([py])
+    kinds = {tree.name(n): tree.kind(n) for n in range(1, len(tree))}
+    assert kinds == {"py:Queue.get (queue.py:171)": PYTHON, "read": USER, "schedule": KERNEL}
