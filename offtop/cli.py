@@ -79,14 +79,21 @@ def _main(streams: StdStreams, argv: list[str], fail: Callable[[str, int], int])
             return fail(f"error: {e}", EXIT_USAGE)
         except (EnvironmentProblem, OutputError) as e:
             return fail(str(e), EXIT_FAILURE)
+        status = EXIT_FAILURE
         try:
-            return _run(streams, run, fail)
+            status = _run(streams, run, fail)
         finally:
             # Every exit path: the probe goes first, then the outputs are
-            # closed (a recording flushed, queued pushes sent) and said.
+            # closed (a recording written out, queued pushes sent) and said.
             run.source.close()
-            for line in run.outputs.close():
+            try:
+                lines = run.outputs.close()
+            except OutputError as e:
+                lines = []
+                status = fail(str(e), EXIT_FAILURE)
+            for line in lines:
                 streams.report(line)
+        return status
 
 
 def _run(streams: StdStreams, run: _Run, fail: Callable[[str, int], int]) -> int:

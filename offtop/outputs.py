@@ -54,8 +54,11 @@ class RecordOutput:
             raise self._error(e) from None
 
     def close(self) -> None:
-        """Close the file."""
-        self.writer.close()
+        """Write what is queued and close the file; `OutputError` if that fails."""
+        try:
+            self.writer.close()
+        except OSError as e:
+            raise self._error(e) from None
 
     def _error(self, e: OSError) -> OutputError:
         return OutputError(f"cannot write --record {self.path}: {e.strerror or e}")
@@ -121,15 +124,25 @@ class Outputs:
             self.record.add(snap)
 
     def close(self) -> list[str]:
-        """Close everything (safe to call twice); the lines to say at exit."""
+        """Close everything (safe to call twice); the lines to say at exit.
+
+        A recording whose last intervals could not be written is an
+        `OutputError`, raised once the push is closed too.
+        """
         if self._closed:
             return []
         self._closed = True
         lines = []
+        error = None
         if self.record is not None:
-            self.record.close()
+            try:
+                self.record.close()
+            except OutputError as e:
+                error = e
         if self.push is not None:
             lines.append(self.push.close())
+        if error is not None:
+            raise OutputError(f"{error}{''.join(f'; {line}' for line in lines)}")
         return lines
 
 

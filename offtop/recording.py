@@ -44,7 +44,9 @@ import collections
 import gzip
 import json
 import os
+import queue
 import stat
+import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -136,13 +138,18 @@ def _is_header(obj: object) -> bool:
 class RecordingWriter:
     """Appends a recording to an open file: the header now, then one interval per `add`.
 
-    Each line is compressed as a gzip member of its own and written at once
-    (see the module docstring), so what was added is on disk, readable, at
-    any moment. OS errors (ENOSPC, EIO) are raised as they come; the caller
-    says what failed. The writer owns `fd` and closes it.
+    Each line is compressed as a gzip member of its own and written as soon
+    as it is (see the module docstring), so what was written is readable at
+    any moment. Encoding and compressing an interval of a busy machine takes
+    a tenth of a second or more; a thread of the writer's own does it (zlib
+    lets go of the GIL, so it runs beside the capture on another CPU), at
+    most `queue_max` intervals behind: past that, `add` waits, so nothing is
+    ever dropped. An OS error (ENOSPC, EIO) is raised by the next `add` or by
+    `close`; the caller says what failed. The writer owns `fd` and closes it.
     """
 
-    def __init__(self, fd: int, header: RecordingHeader, *, level: int = 6) -> None:
+    def __init__(self, fd: int, header: RecordingHeader, *, level: int = 6,
+                 queue_max: int = 4) -> None:
         self.fd = fd
         self.header = header
         self._level = level
@@ -151,11 +158,47 @@ class RecordingWriter:
         self.bytes_written = 0
         """Compressed bytes written so far, header included."""
         self._write_line(json.dumps(header.to_json(), separators=(",", ":")) + "\n")
+        self._queue: queue.Queue[Snapshot | None] = queue.Queue(queue_max)
+        self._error: OSError | None = None
+        self._thread: threading.Thread | None = None
 
     def add(self, snap: Snapshot) -> None:
-        """Write one interval, complete (no limit)."""
-        self._write_line(snapshot_json_line(snap))
-        self.snapshots += 1
+        """Queue one interval, complete (no limit); waits while `queue_max` are queued."""
+        self._raise_error()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="offtop-record",
+                                            daemon=True)
+            self._thread.start()
+        self._queue.put(snap)
+
+    def close(self) -> None:
+        """Write what is queued, then close the file (safe to call twice).
+
+        Raises the OS error that stopped the writing, if one did.
+        """
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+        self._raise_error()
+
+    def _run(self) -> None:
+        while (snap := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # the file failed: drain, so `add` never waits for good
+            try:
+                self._write_line(snapshot_json_line(snap))
+                self.snapshots += 1
+            except OSError as e:
+                self._error = e
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def _write_line(self, line: str) -> None:
         # mtime=0: the same recording compresses to the same bytes.
@@ -165,12 +208,6 @@ class RecordingWriter:
             n = os.write(self.fd, data)
             self.bytes_written += n
             data = data[n:]
-
-    def close(self) -> None:
-        """Close the file (safe to call twice)."""
-        if self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)
 
 
 # --- reading -------------------------------------------------------------------------

@@ -583,3 +583,27 @@ def test_the_tui_records_while_it_runs(bpf_available: None, workloads: Any,
     assert rec.header is not None and rec.header.scope == f"pid {w.pid}" and not rec.cut_short
     assert len(rec.timeline) >= 3
     assert any(st.tid == w.tid for s in rec.timeline for st in s.stacks)
+
+
+def test_a_recording_that_fills_its_disk_ends_the_run_with_one_line(tmp_path: Path) -> None:
+    """The disk fills in the middle of a run: status 1, one line, what was written still plays."""
+    from tests.conftest import need_root
+
+    need_root()
+    source = record(tmp_path / "big.gz", synthetic_snapshots(20, tasks=300, stacks=2000))
+    small = tmp_path / "small"
+    small.mkdir()
+    r = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs -o size=256k none {small} || exit 99; "
+         f'"$0" -m offtop.cli --batch --replay {source} --record {small}/r.gz > /dev/null; '
+         f"s=$?; cp {small}/r.gz {tmp_path}/kept.gz; exit $s", sys.executable],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 99, r.stderr
+    assert_one_line_error(r, f"cannot write --record {small}/r.gz: No space left on device")
+    assert r.returncode == 1
+    kept = load_recording(tmp_path / "kept.gz")
+    assert 0 < len(kept.timeline) < 20 and kept.header is not None
+    # Re-recorded from a replay: the recorded machine, still.
+    assert (kept.header.host, kept.header.kernel, kept.header.scope) == (
+        HEADER.host, HEADER.kernel, HEADER.scope)
