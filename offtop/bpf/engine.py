@@ -16,7 +16,6 @@ is read in bounded batches and symbolizing has a time budget per sub-tick.
 from __future__ import annotations
 
 import os
-import resource
 import threading
 import time
 from collections import deque
@@ -25,30 +24,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from offtop.bpf import environment
+from offtop.bpf.before_start import BeforeStart, cgroup_relative
 from offtop.bpf.blocked import BlockedNowReader
+from offtop.bpf.budget import Budget, SelfCost
 from offtop.bpf.compiler_memory import release_compiler_memory
 from offtop.bpf.config import EngineConfig, EngineError
-from offtop.bpf.decode import (
-    EVENT_STRUCT,
-    REC_NO_USER,
-    REC_SEEDED,
-    ST_BEFORE_START,
-    STATE_MASKS,
-    WAKER_KINDS,
-    StartRecord,
-    decode_comm,
-    state_name,
-)
+from offtop.bpf.decode import EVENT_STRUCT, ST_BEFORE_START, decode_comm, state_name
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.perf_ring import PerfRing
-from offtop.bpf.probe import Probe, RawWaker
+from offtop.bpf.probe import Probe
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import BlockedThread, PythonFrames, merged_frames
 from offtop.bpf.stack_store import StackStore
+from offtop.bpf.unwound import UnwoundStacks
 from offtop.bpf.user_stacks import UserStackRepair
+from offtop.bpf.wakers import RawWaker, Wakers
 from offtop.model import (
-    MARK_DEPTH_LIMIT,
-    MARK_TRUNCATED,
     Aggregator,
     BlockedNow,
     CaptureStats,
@@ -58,14 +49,14 @@ from offtop.model import (
     Snapshot,
     Waker,
 )
-from offtop.proc_tasks import SchedClock, blocked_tasks, exec_start_ns, in_cgroup
+from offtop.proc_tasks import in_cgroup
 from offtop.procinfo import ProcessInfoCache
 from offtop.pystacks import PythonStacks
 from offtop.safe_text import decode
 from offtop.source import SourceInfo, local_info
 from offtop.symbols import KernelSymbols, UserSymbols
 from offtop.targets import TargetWatch, task_start_time
-from offtop.unwind import StopReason, Unwinder, UnwindResult
+from offtop.unwind import Unwinder
 
 __all__ = ["BpfSource", "EngineConfig", "EngineError"]
 
@@ -108,38 +99,6 @@ class _Interval:
     notices: list[str] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class _Before:
-    """A block that began before offtop started, as /proc showed it (see proc_tasks)."""
-
-    ts: int
-    kernel: tuple[Frame, ...]
-
-
-class _SelfCost:
-    """offtop's own CPU time and resident memory, per interval."""
-
-    def __init__(self) -> None:
-        self._cpu = self._cpu_s()
-
-    @staticmethod
-    def _cpu_s() -> float:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-
-    def interval(self, elapsed: float) -> tuple[float, int]:
-        """(% of one core since the last call, RSS bytes now)."""
-        cpu = self._cpu_s()
-        pct = 100.0 * (cpu - self._cpu) / elapsed if elapsed > 0 else 0.0
-        self._cpu = cpu
-        try:
-            with open("/proc/self/statm", "rb") as f:
-                rss = int(f.read().split()[1]) * resource.getpagesize()
-        except (OSError, ValueError, IndexError):
-            rss = 0
-        return pct, rss
-
-
 class BpfSource:
     """The real source: offcpu.c on sched:sched_switch (see the module docstring).
 
@@ -168,22 +127,20 @@ class BpfSource:
         self.probe = Probe(config)
         self.flood = FloodControl(config.event_budget_per_s)
         self.targets = TargetWatch(config.pids, config.tids, config.cgroup)
-        self._cgroup_rel = _cgroup_relative(config.cgroup) if config.cgroup else "/"
+        self._cgroup_rel = cgroup_relative(config.cgroup) if config.cgroup else "/"
         self.stacks: StackStore | None = None
-        self.unwinder: Unwinder | None = None
+        self.unwound: UnwoundStacks | None = None
         self.python: PythonFrames | None = None
-        self._before: dict[int, _Before] = {}  # tid -> its block from before the start
-        self._wakers: dict[tuple[Any, ...], Waker] = {}
+        self.before = BeforeStart(self.probe, states=config.states, kthreads=config.kthreads,
+                                  user_stacks=config.user_stacks, accept=self._in_scope)
+        # Within the sub-tick's symbol budget, as every stack resolved then.
+        self._deadline: float | None = None
+        self._wakers = Wakers(self._kernel, lambda pid, sid: self._user(pid, sid, self._deadline))
         self._comms: dict[bytes, str] = {}  # raw comm -> decoded
-        # User stacks unwound with call-frame information while the thread was
-        # blocked, by (tid, switch-out time): the block's identity, which its
-        # long-block event carries as end - duration. Addresses, symbolized at
-        # each use (a file may load over several sub-ticks' budgets).
-        self._unwound: dict[tuple[int, int], tuple[int, UnwindResult]] = {}
         self._ring: PerfRing | None = None
         self._blocked: BlockedNowReader | None = None
         self._stats: ProbeStats | None = None
-        self._self_cost = _SelfCost()
+        self._self_cost = SelfCost()
         self._lock = threading.Lock()  # the threshold, set from the UI thread
         self._raw_events: list[tuple[Any, ...]] = []
         self._event_acc: dict[_RawKey, list[Any]] = {}
@@ -238,10 +195,12 @@ class BpfSource:
             self._usyms = UserSymbols()
         repair = None
         if cfg.user_stacks:
-            self.unwinder = Unwinder()
+            unwinder = Unwinder()
+            assert self._usyms is not None
+            self.unwound = UnwoundStacks(unwinder, self._usyms, clock=self._clock)
             if cfg.python_stacks:
                 self.python = PythonFrames(PythonStacks(), budget_s=cfg.python_budget_s)
-            repair = UserStackRepair(self.unwinder, self.probe.set_unwind_rule)
+            repair = UserStackRepair(unwinder, self.probe.set_unwind_rule)
         self.stacks = StackStore(self.probe, kernel_symbols=self._ksyms,
                                  user_symbols=self._usyms, repair=repair,
                                  capacity={"k": cfg.stack_entries, "u": cfg.ustack_entries},
@@ -251,7 +210,7 @@ class BpfSource:
         self._stats = ProbeStats(self.probe.prog_fd, window_s=cfg.stats_window_s,
                                  clock=self._clock)
         self._interval.notices.extend(self.targets.initially_gone())
-        self._seed_blocked_before_start()
+        self.before.seed()
         release_compiler_memory()
         now = self._clock()
         self._last_tick = self._last_subtick = now
@@ -264,36 +223,6 @@ class BpfSource:
         if (cfg.pids or cfg.tids) and pid not in cfg.pids and tid not in cfg.tids:
             return False
         return cfg.cgroup is None or in_cgroup(pid, tid, self._cgroup_rel)
-
-    def _seed_blocked_before_start(self) -> None:
-        """Give the threads already blocked a record, as if the probe had seen them go.
-
-        Each is checked again afterwards: one that ran meanwhile (its
-        exec_start moved) may have been counted already or be blocked
-        elsewhere now, so its seed is taken back unless the probe took it.
-        """
-        cfg = self.config
-        letters = [c for c in cfg.states if c in STATE_MASKS]
-        armed_at = time.monotonic_ns()
-        found = blocked_tasks(letters, accept=self._in_scope, kthreads=cfg.kthreads,
-                              clock=SchedClock(), deadline=time.monotonic() + 1.0)
-        seeded = []
-        for t in found:
-            if self.probe.record_of(t.tid) is not None:
-                continue  # the probe saw it switch out: its record is the truth
-            ts = t.since_ns if t.since_ns is not None and t.since_ns < armed_at else armed_at
-            rec = StartRecord(ts=ts, tid=t.tid, tgid=t.pid,
-                              state=STATE_MASKS[t.state] | ST_BEFORE_START,
-                              ustack=-1, kstack=-1, cg_gen=0xFFFFFFFF,
-                              skip=REC_SEEDED | (0 if cfg.user_stacks else REC_NO_USER))
-            if self.probe.seed_record(t.tid, rec):
-                kernel = tuple(Frame(name=n, module="kernel", kernel=True) for n in t.kernel)
-                self._before[t.tid] = _Before(ts, kernel)
-                seeded.append((t, ts))
-        for t, ts in seeded:
-            if exec_start_ns(t.pid, t.tid) != t.exec_start:
-                self.probe.unseed(t.tid, ts)
-                self._before.pop(t.tid, None)
 
     def next_snapshot(self, interval_s: float, stop: Any) -> Snapshot | None:
         """Poll the ring until the interval ends, then build its snapshot."""
@@ -403,7 +332,7 @@ class BpfSource:
     def _subtick(self, now: float) -> None:
         """Resolve what arrived since the last sub-tick, while processes live."""
         self._next_subtick = now + self.config.subtick_s
-        deadline = now + self.config.symbol_budget_s
+        deadline = self._deadline = now + self.config.symbol_budget_s
         self._starts.clear()
         self._read_ring()
         self._control_flood(now)
@@ -450,7 +379,7 @@ class BpfSource:
                     time=end_ns / 1e9 + wall, pid=tgid, tid=tid, comm=decode_comm(comm),
                     state=state_name(st), duration_ns=delta, kernel=kernel, user=user,
                     cgroup_id=cg, before_start=before,
-                    waker=self._waker((wt, wtid, wus, wks, what, wcomm), deadline),
+                    waker=self._wakers.waker((wt, wtid, wus, wks, what, wcomm)),
                 ))
             self._event_tail.clear()
 
@@ -490,7 +419,7 @@ class BpfSource:
                  waker: RawWaker, deadline: float) -> _Row:
         tgid, tid, st, us, ks = key[:5]
         kernel, user, before = self._frames_of(tgid, tid, st, us, ks, deadline)
-        return _Row(total, count, mx, comm, kernel, user, before, self._waker(waker, deadline))
+        return _Row(total, count, mx, comm, kernel, user, before, self._wakers.waker(waker))
 
     def _samples(self, rows: dict[tuple[int, ...], _Row]) -> list[Sample]:
         """The interval's summed rows as the model's samples (once per key)."""
@@ -511,45 +440,24 @@ class BpfSource:
             ))
         return out
 
-    def _waker(self, raw: RawWaker, deadline: float) -> Waker | None:
-        """The model's Waker of a raw one (None: not recorded); the same object
-        for the same raw waker (of the same process) while its stacks hold."""
-        tgid, tid, us, ks, what, comm = raw
-        kind = WAKER_KINDS.get(what >> 24, "")
-        if not kind or not self.config.wakers:
-            return None
-        kernel = self._kernel(ks)
-        user = self._user(tgid, us, deadline) if kind == "task" and us >= 0 else ()
-        key = (tgid, tid, what, comm, kernel, user)
-        w = self._wakers.get(key)
-        if w is None:
-            if kind != "task":
-                kind, work = interrupt_kind(kernel)
-                w = Waker(0, 0, work, kind, kernel)
-            else:
-                w = Waker(tgid, tid, decode_comm(comm), kind, kernel, user)
-            if len(self._wakers) > 50_000:
-                self._wakers.clear()
-            self._wakers[key] = w
-        return w
-
     def _frames_of(self, tgid: int, tid: int, st: int, us: int, ks: int, deadline: float,
                    ts: int | None = None) -> tuple[tuple[Frame, ...], tuple[Frame, ...], bool]:
         """(kernel frames, user frames, began before offtop) of one block.
 
         A block from before the start has the stacks /proc showed (and the
         user stack unwound meanwhile); a block whose thread was unwound while
-        blocked gets that user stack instead of the frame-pointer one.
+        blocked gets that user stack instead of the probe's; Python frames
+        are spliced in where they were read.
         """
         py = self.python
         if st & ST_BEFORE_START:
-            before = self._before.pop(tid, None)
+            before = self.before.pop(tid)
             if before is None:
                 return (), (), True
-            user = self._unwound_frames((tid, before.ts), deadline, pop=True) or ()
+            user = self._unwound_frames(tid, before.ts, deadline, pop=True) or ()
             t = py.of_block(tid, before.ts, pop=True) if py is not None else None
             return before.kernel, merged_frames(user, t) if t is not None else user, True
-        unwound = self._unwound_frames((tid, ts), deadline, pop=True) if ts is not None else None
+        unwound = self._unwound_frames(tid, ts, deadline, pop=True) if ts is not None else None
         user = unwound if unwound is not None else self._user(tgid, us, deadline)
         if py is not None:
             t = py.of_block(tid, ts, pop=True) if ts is not None else None
@@ -558,19 +466,11 @@ class BpfSource:
                 user = merged_frames(user, t)
         return self._kernel(ks), user, False
 
-    def _unwound_frames(self, key: tuple[int, int], deadline: float | None,
+    def _unwound_frames(self, tid: int, ts: int, deadline: float | None,
                         *, pop: bool = False) -> tuple[Frame, ...] | None:
-        """The symbolized frames of a block unwound while it lasted (None: not unwound)."""
-        hit = self._unwound.pop(key, None) if pop else self._unwound.get(key)
-        if hit is None or self._usyms is None:
+        if self.unwound is None:
             return None
-        pid, r = hit
-        frames = self._usyms.resolve_stack(pid, r.addresses, deadline=deadline)
-        if r.stop_reason == StopReason.MAX_FRAMES:
-            return (*frames, Frame(name=MARK_DEPTH_LIMIT))
-        if not r.complete and not (frames and frames[-1].name == MARK_TRUNCATED):
-            return (*frames, Frame(name=MARK_TRUNCATED))
-        return frames
+        return self.unwound.frames(tid, ts, deadline, pop=pop)
 
     def _kernel(self, sid: int) -> tuple[Any, ...]:
         assert self.stacks is not None
@@ -608,8 +508,8 @@ class BpfSource:
     def _blocked_now(self) -> tuple[list[BlockedNow], set[tuple[str, int]]]:
         assert self._blocked is not None
         rows, live = self._blocked.read()
-        symbols = _Budget(self.config.symbol_budget_s, self._clock)
-        unwinding = _Budget(self.config.unwind_budget_s, self._clock)
+        symbols = Budget(self.config.symbol_budget_s, self._clock)
+        unwinding = Budget(self.config.unwind_budget_s, self._clock)
         if self.python is not None:
             self.python.read(BlockedThread(b.pid, b.tid, b.ts, b.ustack) for b in rows
                              if self.targets.accepts(b.pid, b.tid))
@@ -618,15 +518,16 @@ class BpfSource:
             if not self.targets.accepts(b.pid, b.tid):
                 continue
             before = bool(b.state & ST_BEFORE_START)
-            with unwinding:
-                unwound = self._unwound_user(b.pid, b.tid, b.ts, b.ubp, unwinding.deadline(),
-                                             None)
+            unwound_known = False
+            if self.unwound is not None:
+                with unwinding:
+                    unwound_known = self.unwound.unwind(b.pid, b.tid, b.ts, b.ubp,
+                                                        unwinding.deadline())
             with symbols:
                 deadline = symbols.deadline()
-                if unwound is not None:
-                    unwound = self._unwound_frames((b.tid, b.ts), deadline)
+                unwound = self._unwound_frames(b.tid, b.ts, deadline) if unwound_known else None
                 if before:
-                    pre = self._before.get(b.tid)
+                    pre = self.before.get(b.tid)
                     kernel = pre.kernel if pre is not None else ()
                     user = unwound or ()
                 else:
@@ -643,32 +544,9 @@ class BpfSource:
                 pid=b.pid, tid=b.tid, comm=_comm_of(b.pid, b.tid), state=state_name(b.state),
                 blocked_ns=b.waited_ns, kernel=kernel, user=user, before_start=before,
             ))
-        if len(self._unwound) > 4096:  # blocks that ended unseen (short, or not events)
-            for key in list(self._unwound)[: len(self._unwound) - 2048]:
-                del self._unwound[key]
+        if self.unwound is not None:
+            self.unwound.trim()
         return out, live
-
-    def _unwound_user(self, pid: int, tid: int, ts: int, ubp: int, until: float,
-                      deadline: float | None) -> tuple[Frame, ...] | None:
-        """The user stack of a blocked thread by call-frame information (once per block).
-
-        None when it cannot be had (no user stacks, over the time budget, the
-        thread ran meanwhile): the caller keeps the probe's stack.
-        """
-        if self.unwinder is None or self._usyms is None:
-            return None
-        key = (tid, ts)
-        if key not in self._unwound:
-            if self._clock() > until:
-                return None
-            r = self.unwinder.unwind_blocked(pid, tid, bp=ubp or None)
-            if not r.addresses or r.stop_reason in (StopReason.NOT_BLOCKED,
-                                                    StopReason.THREAD_RAN):
-                return None
-            self._unwound[key] = (pid, r)
-        if deadline is None:
-            return ()  # unwound; symbolized by the caller
-        return self._unwound_frames(key, deadline)
 
     def _build(self, elapsed: float) -> Snapshot:
         assert self.stacks is not None and self._ring is not None and self._stats is not None
@@ -748,68 +626,8 @@ class BpfSource:
 _SELF_PID = os.getpid()
 
 
-class _Budget:
-    """Seconds of one kind of work left in a pass, spent as it is measured (`with`)."""
-
-    def __init__(self, seconds: float, clock: Callable[[], float]) -> None:
-        self.left = seconds
-        self._clock = clock
-        self._t0 = 0.0
-
-    def deadline(self) -> float:
-        """When this work must stop if it ran alone from now."""
-        return self._clock() + max(0.0, self.left)
-
-    def __enter__(self) -> _Budget:
-        self._t0 = self._clock()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.left -= self._clock() - self._t0
-
-
-#: A softirq's handler, for naming the work an interrupt did (include/linux/interrupt.h).
-_SOFTIRQ_WORK = {"run_timer_softirq": "TIMER", "net_rx_action": "NET_RX",
-                 "net_tx_action": "NET_TX", "blk_done_softirq": "BLOCK", "rcu_core": "RCU",
-                 "tasklet_action": "TASKLET", "tasklet_hi_action": "HI",
-                 "hrtimer_run_softirq": "HRTIMER", "run_rebalance_domains": "SCHED",
-                 "irq_poll_softirq": "IRQ_POLL"}
-
-
-def interrupt_kind(kernel: tuple[Frame, ...]) -> tuple[str, str]:
-    """What an interrupt that woke a task was, from its kernel stack: (kind, work).
-
-    kind: "timer", "softirq" (work: its vector's name), "irq", or "interrupt"
-    when the stack was not taken or says nothing known.
-    """
-    names = [f.name for f in kernel]
-    for n in names:
-        work = _SOFTIRQ_WORK.get(n)
-        if work is not None:
-            return "softirq", work
-    if any(n.startswith(("hrtimer_", "__hrtimer_")) or "apic_timer" in n for n in names):
-        return "timer", ""
-    if any("softirq" in n for n in names):
-        return "softirq", ""
-    if any(n.startswith(("handle_irq_event", "__handle_irq_event")) for n in names):
-        return "irq", ""
-    return "interrupt", ""
-
-
 def _resolved(frames: tuple[Frame, ...]) -> int:
     return sum(1 for f in frames if not f.unknown)
-
-
-def _cgroup_relative(path: str) -> str:
-    """A cgroup v2 directory as /proc/PID/cgroup names it (relative to its mount)."""
-    from offtop.cgroups import cgroup2_mounts
-
-    p = os.path.realpath(path)
-    for mount in cgroup2_mounts():
-        m = str(mount)
-        if p == m or p.startswith(m.rstrip("/") + "/"):
-            return "/" + p[len(m):].strip("/")
-    return "/"
 
 
 def _comm_of(pid: int, tid: int) -> str:

@@ -143,6 +143,11 @@ class StackStore:
                 return frames
             del self._retry[key]
         addrs = self._maps.stack("u", sid)
+        if addrs is None:
+            # Evicted from the probe's LRU map before it could be read (a
+            # flood of new stacks): the block keeps its time, marked.
+            self.stats.user_lost += 1
+            return _USER_LOST
         if not addrs:
             return ()
         at_limit = len(addrs) >= self._udepth
@@ -161,10 +166,13 @@ class StackStore:
         if at_limit and not cut:
             frames = (*frames, Frame(name=MARK_DEPTH_LIMIT))
             self.stats.depth_limited += 1
-        self._frames[key] = frames
-        if not complete:
+        if complete:
+            self._frames[key] = frames
+        elif start:
             # A miss may resolve later (a library not read yet, a time
-            # budget): look again in a few intervals, not at every use.
+            # budget): look again in a few intervals, not at every use. (A
+            # process already gone will not get better: not kept.)
+            self._frames[key] = frames
             self._retry[key] = self._seq + self.RETRY_INTERVALS
         return frames
 
@@ -210,7 +218,15 @@ class StackStore:
         return {k for k, n in used.items() if n >= self._capacity.get(k, 0) // 2}
 
     def trim(self) -> None:
-        """Bound the frame cache (called once per interval)."""
+        """Bound the frame cache (called once per interval).
+
+        Incomplete stacks not asked for since they were due to be looked at
+        again belong to processes that are gone, most likely: dropped.
+        """
+        stale = [k for k, due in self._retry.items() if due < self._seq]
+        for k in stale:
+            del self._retry[k]
+            self._frames.pop(k, None)
         if len(self._frames) > self._max_cached:
             self._frames.clear()
             self._retry.clear()

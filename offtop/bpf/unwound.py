@@ -1,0 +1,74 @@
+"""User stacks of blocked threads, unwound with call-frame information, kept per block.
+
+A blocked thread's registers and stack stay put until it runs again, so a
+whole user stack can be read then (offtop.unwind), also for code built
+without frame pointers. Each block is unwound once, within a time budget,
+and kept by (tid, switch-out time), which is also what its long-block event
+carries (its end minus its duration): the event then shows the whole stack.
+Addresses are kept, not frames, and symbolized at each use: a big file's
+symbols may take a few sub-ticks' budgets to load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from offtop.model import MARK_DEPTH_LIMIT, MARK_TRUNCATED, Frame
+from offtop.unwind import StopReason, Unwinder, UnwindResult
+
+
+class Symbolizer(Protocol):
+    """Resolves user addresses (offtop.symbols.UserSymbols)."""
+
+    def resolve_stack(self, pid: int, addrs: list[int] | tuple[int, ...], *,
+                      deadline: float | None = None,
+                      start: int | None = None) -> tuple[Frame, ...]:
+        """Frames of a user stack."""
+        ...
+
+
+class UnwoundStacks:
+    """Blocks unwound while they last (see the module docstring)."""
+
+    def __init__(self, unwinder: Unwinder, symbols: Symbolizer, *,
+                 clock: Callable[[], float], max_kept: int = 4096) -> None:
+        self._unwinder = unwinder
+        self._symbols = symbols
+        self._clock = clock
+        self._max = max_kept
+        self._blocks: dict[tuple[int, int], tuple[int, UnwindResult]] = {}
+
+    def unwind(self, pid: int, tid: int, ts: int, ubp: int, until: float) -> bool:
+        """Unwind block (tid, ts) unless done already or past `until`; True if it is known."""
+        key = (tid, ts)
+        if key in self._blocks:
+            return True
+        if self._clock() > until:
+            return False
+        r = self._unwinder.unwind_blocked(pid, tid, bp=ubp or None)
+        if not r.addresses or r.stop_reason in (StopReason.NOT_BLOCKED, StopReason.THREAD_RAN):
+            return False
+        self._blocks[key] = (pid, r)
+        return True
+
+    def frames(self, tid: int, ts: int, deadline: float | None, *,
+               pop: bool = False) -> tuple[Frame, ...] | None:
+        """The frames of an unwound block (None: it was not unwound)."""
+        key = (tid, ts)
+        hit = self._blocks.pop(key, None) if pop else self._blocks.get(key)
+        if hit is None:
+            return None
+        pid, r = hit
+        frames = self._symbols.resolve_stack(pid, r.addresses, deadline=deadline)
+        if r.stop_reason == StopReason.MAX_FRAMES:
+            return (*frames, Frame(name=MARK_DEPTH_LIMIT))
+        if not r.complete and not (frames and frames[-1].name == MARK_TRUNCATED):
+            return (*frames, Frame(name=MARK_TRUNCATED))
+        return frames
+
+    def trim(self) -> None:
+        """Forget the oldest blocks beyond the bound (they ended unseen: short, or summed)."""
+        if len(self._blocks) > self._max:
+            for key in list(self._blocks)[: len(self._blocks) - self._max // 2]:
+                del self._blocks[key]
