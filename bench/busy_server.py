@@ -167,6 +167,18 @@ class Load:
             self.bg.stop()
             raise
         self.paths = ready.strip().split("paths=", 1)[1].split(",")
+        # Every worker it ever ran (each lives 3 s or more): an interval of offtop's
+        # also holds workers that have exited since.
+        self.ever: set[int] = {self.bg.proc.pid}
+        self._done = threading.Event()
+        self._watch = threading.Thread(target=self._watch_workers, daemon=True)
+        self._watch.start()
+
+    def _watch_workers(self) -> None:
+        children = Path(f"/proc/{self.bg.proc.pid}/task/{self.bg.proc.pid}/children")
+        while not self._done.wait(0.5):
+            with contextlib.suppress(OSError, ValueError):
+                self.ever.update(int(c) for c in children.read_text().split())
 
     def sample(self, timeout: float = 5.0) -> LoadSample:
         """The latest stats line (at most a second old)."""
@@ -186,6 +198,7 @@ class Load:
         return {driver, *(pid for pid, _, ppid, _ in proc_stats() if ppid == driver)}
 
     def stop(self) -> None:
+        self._done.set()
         self.bg.stop()  # SIGINT: the driver kills its workers and removes its file
 
 
@@ -503,7 +516,7 @@ def measure(tool: Tool, load: Load, plan: Plan, tag: str) -> dict[str, Any]:
                                       if ln.stats.get("probe_runs")]
         out["lost"] = sum(ln.stats.get("lost", 0) for ln in inside)
         out["_window_line"] = tool.last if inside else b""
-        out["_load_pids"] = load.pids()
+        out["_load_pids"] = set(load.ever)
     return out
 
 
@@ -530,7 +543,7 @@ def full_census(plan: Plan, load: Load, timeout: float = 180.0) -> dict[str, Any
                 say(f"  census: no second line{failure_detail(tool)}")
                 return None
             time.sleep(0.5)
-        line, pids = tool.last, load.pids()
+        line, pids = tool.last, set(load.ever)
     finally:
         tool.stop()
     return {**census(line, pids), "bytes": len(line)}

@@ -355,7 +355,7 @@ class OfftopApp(App[int]):
         yield KeyBar(id="keys")
 
     def on_mount(self) -> None:
-        self.add_class("-loading")
+        self.set_class(self.loading, "-loading")
         self.signals.install()
         self.set_interval(1.0, self._check_stall)
         self.pump.start()
@@ -383,8 +383,6 @@ class OfftopApp(App[int]):
 
     def watch_loading(self, loading: bool) -> None:
         self.set_class(loading, "-loading")
-        if not loading and self.screen.focused is None:
-            self.query_one(TaskTable).focus()  # it could not take the focus while loading
 
     def watch_status(self, status: str) -> None:
         if status in ("failed", "ended"):

@@ -10,6 +10,7 @@ from offtop.model import (
     RowKey,
     Sample,
     SinceStart,
+    Snapshot,
     SnapshotIndex,
     StackRow,
     blocked_in,
@@ -29,7 +30,7 @@ def s(tid: int, ns: int, *, pid: int = 10, state: str = "S", count: int = 1, eve
                   kernel=kernel, user=user, from_event=event)
 
 
-def build(agg: Aggregator, samples: list[Sample]):  # type: ignore[no-untyped-def]
+def build(agg: Aggregator, samples: list[Sample]) -> Snapshot:
     return agg.build(samples, time=1000.0, interval_s=1.0, threshold_ns=500)
 
 

@@ -27,7 +27,6 @@ import offtop.widgets.stacks_pane as stacks_pane_module
 from offtop.app import OfftopApp
 from offtop.model import (
     BlockedNow,
-    CaptureStats,
     Frame,
     LongBlock,
     RowKey,
@@ -1107,4 +1106,3 @@ def test_python_frames_and_estimates_in_long_block_lines() -> None:
                       before_start=True)
     line = long_block_line(block).plain
     assert "~2.00s" in line and "k pipe_read ← u read ← py Queue.get (queue.py:171)" in line
-    assert CaptureStats().offtop_rss_bytes == 0
