@@ -23,10 +23,16 @@ class FloodControl:
 
     #: Aim this far below the budget when raising, so one step is enough.
     TARGET_SHARE = 0.5
-    #: Lower again once the rate stays below this share of the budget ...
-    CALM_SHARE = 1 / 8
-    #: ... for this many sub-ticks in a row.
-    CALM_TICKS = 4
+    #: Lower again, a little at a time, while the rate is below this share of
+    #: the budget: the events then stay between a quarter of the budget and
+    #: the budget. Block lengths crowd together under a flood (a ping-pong's
+    #: are all a few microseconds), so the rate jumps steeply around some
+    #: threshold: only small steps down find the level between.
+    CALM_SHARE = 1 / 4
+    #: Each step down keeps this share of the raised threshold.
+    STEP_DOWN = 0.93
+    #: A raise is at least this factor (the flood may be growing).
+    STEP_UP = 1.5
 
     def __init__(self, budget_per_s: int) -> None:
         self.budget_per_s = budget_per_s
@@ -34,7 +40,6 @@ class FloodControl:
         self.floor_ns = 0
         #: How many times it raised the threshold (for the stats).
         self.raises = 0
-        self._calm = 0
 
     @property
     def active(self) -> bool:
@@ -56,23 +61,16 @@ class FloodControl:
         rate = events / seconds
         current = self.effective(user_ns)
         if rate > self.budget_per_s:
-            self._calm = 0
-            self.floor_ns = max(self._cut(durations, events, seconds), 2 * current, 1_000)
+            self.floor_ns = max(self._cut(durations, events, seconds),
+                                int(current * self.STEP_UP), 1_000)
             self.raises += 1
             return self.effective(user_ns)
-        if not self.active:
+        if not self.active or rate >= self.budget_per_s * self.CALM_SHARE:
             return None
-        if rate < self.budget_per_s * self.CALM_SHARE:
-            self._calm += 1
-            if self._calm >= self.CALM_TICKS:
-                self._calm = 0
-                self.floor_ns = self.floor_ns * 2 // 3
-                if self.floor_ns <= user_ns:
-                    self.floor_ns = 0
-                return self.effective(user_ns)
-        else:
-            self._calm = 0
-        return None
+        self.floor_ns = int(self.floor_ns * self.STEP_DOWN)
+        if self.floor_ns <= user_ns or self.floor_ns < 1_000:
+            self.floor_ns = 0
+        return self.effective(user_ns)
 
     def _cut(self, durations: Sequence[int], events: int, seconds: float) -> int:
         """The duration above which about TARGET_SHARE of the budget's events fall."""
