@@ -15,7 +15,7 @@ import pytest
 from textual.pilot import Pilot
 
 from offtop.app import OfftopApp
-from offtop.model import Snapshot
+from offtop.model import RowKey, Snapshot
 from offtop.widgets.header import OfftopHeader
 from offtop.widgets.long_blocks_log import LongBlocksLog
 from offtop.widgets.task_table import TaskTable
@@ -59,7 +59,7 @@ async def test_slider_writes_the_kernel_map_and_reroutes_blocks(workloads: Any) 
             log = app.query_one(LongBlocksLog)
             logged = log.total
             assert logged >= len(mine)
-            assert f"t{w.tid}" in app.query_one(TaskTable).row_keys_in_order
+            assert RowKey.thread(w.tid) in app.query_one(TaskTable).row_keys_in_order
 
             # 50 ms -> 100 ms -> 200 ms, from the keyboard.
             await pilot.press("plus", "plus")
@@ -79,7 +79,7 @@ async def test_slider_writes_the_kernel_map_and_reroutes_blocks(workloads: Any) 
             assert app.query_one(LongBlocksLog).total >= logged
 
             # And back down with the mouse: a click at the bar's left end (0).
-            await pilot.click(ThresholdSlider, offset=(2, 2))
+            await pilot.click(ThresholdSlider, offset=(0, 0))
             await pilot.pause()
             assert source.kernel_threshold_ns() == app.threshold_ns < 50 * MS
     finally:

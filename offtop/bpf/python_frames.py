@@ -23,7 +23,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from offtop.model import Frame
-from offtop.pystacks import PyFrame, PythonStacks, PyThread, StackMarker, merge_stacks
+from offtop.pystacks import (
+    NOT_PYTHON,
+    PyFrame,
+    PythonStacks,
+    PyThread,
+    StackMarker,
+    merge_stacks,
+)
 
 #: The prefix of Python frames' names in every output.
 PY_PREFIX = "py:"
@@ -74,8 +81,9 @@ class PythonFrames:
 
     @property
     def failures(self) -> Counter[str]:
-        """Reads that failed, by cause ("not python" counted once per process)."""
-        return self._stacks.failures
+        """Reads that failed, by cause. A process that runs no Python is not a
+        failure: it is left out (the reader counts it, once per process)."""
+        return Counter({why: n for why, n in self._stacks.failures.items() if why != NOT_PYTHON})
 
     def read(self, blocked: Iterable[BlockedThread]) -> None:
         """Read the Python stacks of these blocked threads, within the budget."""
