@@ -117,7 +117,7 @@ def build_index(snap: Snapshot, catalog: object) -> object:
     try:
         from offtop.model import SnapshotIndex
     except ImportError:
-        from offtop.app import SnapshotIndex
+        from offtop.model import SnapshotIndex
         return SnapshotIndex.build(snap)
     return SnapshotIndex(snap, catalog)
 

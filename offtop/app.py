@@ -19,9 +19,7 @@ of a memory-mapped array), both meant to be called from here.
 
 from __future__ import annotations
 
-import asyncio
 import gc
-import signal
 import sys
 import threading
 import time
@@ -31,23 +29,30 @@ from pathlib import Path
 from typing import ClassVar
 
 from rich.console import RenderableType
-from rich.text import Text
 from textual import on
 from textual.actions import SkipAction
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
-from textual.message import Message
 from textual.reactive import var
 from textual.screen import Screen
 from textual.widgets import Input, Static
-from textual.worker import get_current_worker
 
-from offtop.model import ChainCatalog, SinceStart, Snapshot, SnapshotIndex
+from offtop.app_keys import APP_BINDINGS, PALETTE, THRESHOLD_PRESETS_NS
+from offtop.model import Snapshot, SnapshotIndex
+from offtop.pump import (
+    ExitSignals,
+    SnapshotPump,
+    SnapshotReady,
+    SourceEnded,
+    SourceFailed,
+    SourceStarted,
+    failure_text,
+)
 from offtop.safe_text import printable_lines
 from offtop.source import BlockedWaits, SnapshotSource, SourceInfo
 from offtop.units import format_ns
-from offtop.widgets.arrivals import Arrivals, Taken
+from offtop.widgets.arrivals import Taken
 from offtop.widgets.blocked_now import BlockedNowTable
 from offtop.widgets.export_screen import export_view
 from offtop.widgets.filter_input import FilterInput
@@ -60,135 +65,6 @@ from offtop.widgets.stacks_pane import StacksPane
 from offtop.widgets.task_table import COLUMN_TITLES, SORT_CYCLE, TaskTable
 from offtop.widgets.threshold_pane import ThresholdPane
 from offtop.widgets.threshold_slider import step_down, step_up
-
-#: The actions the command palette offers (by binding id), besides sorts and presets.
-PALETTE = ("app.pause", "app.processes", "app.follow", "app.all_stacks", "app.flame",
-           "app.idle", "app.merge", "app.cumulative", "app.export", "app.kernel", "app.user",
-           "app.sort_menu")
-
-#: Threshold presets offered by the command palette.
-THRESHOLD_PRESETS_NS: tuple[int, ...] = (
-    0, 100_000, 1_000_000, 10_000_000, 100_000_000, 500_000_000, 1_000_000_000,
-    10_000_000_000, 60_000_000_000,
-)
-
-
-class SnapshotReady(Message):
-    """A new snapshot from the source, indexed; a newer one still queued replaces it."""
-
-    def __init__(self, index: SnapshotIndex) -> None:
-        super().__init__()
-        self.index = index
-
-    def can_replace(self, message: Message) -> bool:
-        """Only the newest snapshot matters (what must not be lost is in `Arrivals`)."""
-        return isinstance(message, SnapshotReady)
-
-
-class SourceStarted(Message):
-    """`source.start()` returned: the capture is running."""
-
-
-class SourceFailed(Message):
-    """The source raised: in `start()` (`started=False`) or later."""
-
-    def __init__(self, error: BaseException, *, started: bool) -> None:
-        super().__init__()
-        self.error = error
-        self.started = started
-
-
-class SourceEnded(Message):
-    """The source has no more snapshots (a replay ran out, a run is over, or we stop)."""
-
-
-class SnapshotPump:
-    """Runs the source in a worker thread and posts what it gives to the app.
-
-    Everything a snapshot costs before it can be shown happens here, off the
-    event loop: its index, the since-start totals, the queue of what it
-    brought. `stopping` ends the thread at its next wait.
-    """
-
-    def __init__(self, app: App[int], source: SnapshotSource, interval_s: float) -> None:
-        self.app = app
-        self.source = source
-        self.interval_s = interval_s
-        self.stopping = threading.Event()
-        self.catalog = ChainCatalog()
-        self.since_start = SinceStart()
-        self.arrivals = Arrivals(max_blocks=LongBlocksLog.MAX_LINES)
-
-    def start(self) -> None:
-        """Start the worker thread."""
-        self.app.run_worker(self._run, name="source", group="source", thread=True,
-                            exclusive=True, exit_on_error=False)
-
-    def _run(self) -> None:
-        worker = get_current_worker()
-        try:
-            self.source.start()
-        except Exception as error:
-            self.app.post_message(SourceFailed(error, started=False))
-            return
-        self.app.post_message(SourceStarted())
-        while not self.stopping.is_set() and not worker.is_cancelled:
-            try:
-                snap = self.source.next_snapshot(self.interval_s, self.stopping)
-            except Exception as error:
-                self.app.post_message(SourceFailed(error, started=True))
-                return
-            if snap is None:
-                break
-            self.publish(snap)
-        self.app.post_message(SourceEnded())
-
-    def publish(self, snap: Snapshot) -> None:
-        """Index a snapshot, queue what it brought, post it, then add it to
-        the since-start totals (after: the screen need not wait for that)."""
-        index = SnapshotIndex(snap, self.catalog)
-        self.arrivals.put(snap)
-        self.app.post_message(SnapshotReady(index))
-        self.since_start.add(index)
-
-
-class ExitSignals:
-    """SIGTERM and SIGHUP end the app cleanly (terminal restored), as `q` does."""
-
-    def __init__(self, on_signal: Callable[[], None]) -> None:
-        self.on_signal = on_signal
-        #: The signals handled now.
-        self.installed: list[int] = []
-
-    def install(self) -> None:
-        """Handle the signals on the running loop (not possible off the main thread)."""
-        try:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                loop.add_signal_handler(sig, self.on_signal)
-                self.installed.append(sig)
-        except (NotImplementedError, RuntimeError, ValueError):
-            pass  # not the main thread, or no signals on this platform
-
-    def remove(self) -> None:
-        """Give the signals back."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        for sig in self.installed:
-            loop.remove_signal_handler(sig)
-        self.installed.clear()
-
-
-def failure_text(error: BaseException, *, started: bool) -> Text:
-    """What the screen says when the capture could not start or stopped."""
-    text = Text("The capture stopped:\n\n" if started
-                else "offtop could not start the capture:\n\n", style="bold")
-    # An error may quote what a process controls (a path, a name): escaped.
-    text.append(f"{type(error).__name__}: {printable_lines(str(error))}", style="#ff6b6b")
-    text.append("\n\nPress q to quit.", style="dim")
-    return text
 
 
 class OfftopApp(App[int]):
@@ -204,57 +80,7 @@ class OfftopApp(App[int]):
     AUTO_FOCUS = "#tasks-pane"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-normal"), (180, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (24, "-tall")]
-
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("q", "quit", "Quit", tooltip="Quit (the terminal is restored)", id="app.quit"),
-        Binding("f10", "quit", "Quit", show=False, key_display="F10", id="app.quit_f10"),
-        Binding("ctrl+c", "quit", "Quit", show=False, priority=True, id="app.quit_ctrl_c"),
-        Binding("f1", "help", "Help", key_display="F1", tooltip="This help", id="app.help"),
-        Binding("question_mark", "help", "Help", show=False, key_display="?", id="app.help_q"),
-        Binding("p", "toggle_pause", "Pause", id="app.pause",
-                tooltip="Pause / resume the display (data keeps accumulating)"),
-        Binding("space", "toggle_pause", "Pause", show=False, id="app.pause_space"),
-        Binding("slash", "filter", "Filter", key_display="/", id="app.filter",
-                tooltip="Filter by name, pid or frame text (the flame graph highlights it)"),
-        Binding("f3", "filter", "Filter", show=False, key_display="F3", id="app.filter_f3"),
-        Binding("s", "cycle_sort", "Sort", tooltip="Sort by the next column", id="app.sort"),
-        Binding("f6", "sort_menu", "Sort by…", show=False, key_display="F6",
-                tooltip="Choose the sort column", id="app.sort_menu"),
-        Binding("t", "toggle('processes')", "Threads/procs", id="app.processes",
-                tooltip="Rank threads or processes"),
-        Binding("F", "toggle('follow')", "Follow", show=False, id="app.follow",
-                tooltip="The cursor follows its task across re-sorts (else keeps its row)"),
-        Binding("a", "stacks('all_tasks')", "All stacks", id="app.all_stacks",
-                tooltip="Stacks pane: the selected task's stacks, or all tasks' stacks"),
-        Binding("f", "flame", "Flame", tooltip="Flame graph of the stacks pane's scope",
-                id="app.flame"),
-        Binding("i", "toggle('hide_idle')", "Idle", show=False, id="app.idle",
-                tooltip="Hide idle waits (poll, epoll_wait, select, wait4, idle pool workers)"),
-        Binding("m", "merge", "Merge", show=False, id="app.merge",
-                tooltip="Merge identical stacks: off, across threads, across one command"),
-        Binding("c", "stacks('cumulative')", "Since start", show=False, id="app.cumulative",
-                tooltip="Stacks pane: since offtop started, or the last interval"),
-        Binding("w", "export", "Write", show=False, id="app.export",
-                tooltip="Write the stacks pane's view to a file (folded, pprof, speedscope)"),
-        Binding("plus", "threshold(1)", "Threshold", key_display="+", priority=True,
-                tooltip="Raise the long-block threshold one step", id="app.threshold_up"),
-        Binding("equals_sign", "threshold(1)", "Threshold up", show=False, key_display="=",
-                priority=True, id="app.threshold_up_eq"),
-        Binding("minus", "threshold(-1)", "Threshold down", show=False, key_display="-",
-                priority=True, tooltip="Lower the long-block threshold one step",
-                id="app.threshold_down"),
-        Binding("K", "toggle('show_kernel')", "Kernel frames", show=False,
-                tooltip="Show / hide kernel frames", id="app.kernel"),
-        Binding("U", "toggle('show_user')", "User frames", show=False,
-                tooltip="Show / hide user frames", id="app.user"),
-        Binding("escape", "go_back", "Back", show=False, id="app.back",
-                tooltip="Close the filter, leave the tree or flame graph, back to the tasks"),
-        Binding("tab", "focus_next", "Next pane", show=False, id="app.next_pane"),
-        Binding("shift+tab", "focus_previous", "Previous pane", show=False,
-                id="app.previous_pane"),
-        Binding("ctrl+p", "command_palette", "Commands", show=False,
-                tooltip="Command palette (sort by, threshold presets, ...)", id="app.palette"),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = APP_BINDINGS
 
     info: var[SourceInfo | None] = var(None, init=False)
     """What the source says it captures (bound to the header)."""

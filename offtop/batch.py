@@ -59,16 +59,17 @@ class BatchFormat(Protocol):
 class IntervalReports:
     """text, json or folded: one report per interval, nothing at the end."""
 
-    def __init__(self, fmt: str, *, limit: int = 0) -> None:
+    def __init__(self, fmt: str, *, limit: int = 0, wakers: bool = False) -> None:
         self.fmt = fmt
         self.limit = limit
+        self.wakers = wakers  # folded: offwaketime-style merged stacks
         self.notices_to_stderr = fmt != "text"
 
     def interval(self, snap: Snapshot) -> str:
         if self.fmt == "json":
             return snapshot_json_line(snap, limit=self.limit)
         if self.fmt == "folded":
-            lines = folded_lines(snap)
+            lines = folded_lines(snap, wakers=self.wakers)
             return "\n".join(lines) + "\n" if lines else ""
         return text_report(snap) + "\n\n"
 
@@ -98,12 +99,12 @@ class WholeRunProfile:
         return (speedscope_json(data) + "\n").encode()
 
 
-def make_format(fmt: str, *, limit: int = 0,
+def make_format(fmt: str, *, limit: int = 0, wakers: bool = False,
                 cgroup_name: Callable[[int], str | None] | None = None) -> BatchFormat:
     """The `BatchFormat` for `--format fmt`."""
     if fmt in PROFILE_FORMATS:
         return WholeRunProfile(fmt, accumulator=ProfileAccumulator(cgroup_name=cgroup_name))
-    return IntervalReports(fmt, limit=limit)
+    return IntervalReports(fmt, limit=limit, wakers=wakers)
 
 
 def stderr_notices(snap: Snapshot) -> list[str]:

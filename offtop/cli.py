@@ -170,7 +170,8 @@ def _run_batch(streams: StdStreams, run: _Run) -> int:
     interval = run.interval
     if args.replay and not streams.is_terminal(1 if run.out_fd is None else run.out_fd):
         interval = 0.0  # a recording written elsewhere than a terminal: no need to wait
-    fmt = make_format(args.format, limit=run.limit, cgroup_name=run.cgroup_name)
+    fmt = make_format(args.format, limit=run.limit, wakers=args.folded_wakers,
+                      cgroup_name=run.cgroup_name)
     fd = 1 if run.out_fd is None else run.out_fd
     name = "stdout" if run.out_fd is None else f"-o {args.output}"
     return run_batch(run.source, fmt, interval, run.count, fd=fd, name=name,

@@ -64,10 +64,12 @@ def after_snapshot(seq: int, then: Then | None = None) -> Then:
     async def run_before(pilot: Pilot[Any]) -> None:
         app = pilot.app
         assert isinstance(app, OfftopApp)
-        for _ in range(500):
+        for _ in range(3000):  # 30 s: a busy machine is slow, never wrong
             if app.snapshot is not None and app.snapshot.seq >= seq:
                 break
             await pilot.pause(0.01)
+        else:
+            raise AssertionError(f"snapshot {seq} never shown")
         await pilot.pause()
         if then is not None:
             await then(pilot)
@@ -91,10 +93,12 @@ async def flame_built(pilot: Pilot[Any]) -> None:
     """`f`, then wait for the worker's tree to be drawn."""
     await pilot.press("f")
     flame = pilot.app.query_one(FlameGraph)
-    for _ in range(500):
+    for _ in range(3000):
         if flame.flame_tree.total_ns > 0:
             break
         await pilot.pause(0.01)
+    else:
+        raise AssertionError("the flame graph was never built")
     await pilot.pause()
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from offtop.model import Snapshot, StackRow, Waker
-from tests.conftest import ROOT, offtop_json
+from tests.conftest import ROOT, offtop_json, run_offtop
 
 MS = 1_000_000
 SRC = ROOT / "tests" / "workloads" / "wakers.c"
@@ -194,6 +194,36 @@ def test_json_carries_wakers_and_no_wakers_turns_them_off(run: Any) -> None:
     assert sum(1 for b in blocks if b["waker"] and b["waker"]["tid"] == writer) >= 0.9 * len(blocks)
     stacks = [s for snap in snaps[1:] for s in snap["stacks"] if s["tid"] == w.tid]
     assert any(x["tid"] == writer and x["offcpu_ns"] > 0 for s in stacks for x in s["wakers"])
-    quiet = snapshots((w.pid,), 2, threshold_ns=30 * MS, wakers=False)
-    assert not any(b.waker for s in quiet for b in s.long_blocks)
-    assert not any(s.wakers for snap in quiet for s in snap.stacks)
+    quiet = offtop_json("-p", str(w.pid), "--threshold", "30ms", "--no-wakers", count=3)
+    assert [b for s in quiet[1:] for b in s["long_blocks"] if b["tid"] == w.tid]
+    assert not any(b["waker"] for s in quiet for b in s["long_blocks"])
+    assert [s for snap in quiet[1:] for s in snap["stacks"] if s["tid"] == w.tid]
+    assert not any(s["wakers"] for snap in quiet for s in snap["stacks"])
+
+
+def test_folded_wakers_stand_the_writer_on_the_reader(run: Any) -> None:
+    """--folded-wakers: the reader's stack, `--`, then the writer's kernel stack and name."""
+    w = run("pipe", "50")
+    r = run_offtop("--batch", "--format", "folded", "--folded-wakers", "--count", "3",
+                   "--interval", "1", "-p", str(w.pid))
+    assert r.returncode == 0, r.stderr
+    reader = [line for line in r.stdout.splitlines() if "pipe_read" in line.partition(";--;")[0]]
+    assert reader, r.stdout
+    total = sum(int(line.rsplit(" ", 1)[1]) for line in reader)
+    woken = sum(int(line.rsplit(" ", 1)[1]) for line in reader
+                if "pipe_write" in line.partition(";--;")[2] and "wl-writer" in line)
+    assert woken >= 0.9 * total, r.stdout
+    plain = run_offtop("--batch", "--format", "folded", "--count", "2", "--interval", "1",
+                       "-p", str(w.pid))
+    assert plain.returncode == 0 and plain.stdout and ";--;" not in plain.stdout
+
+
+def test_waker_options_refused_in_one_line() -> None:
+    for args, why in ((["--folded-wakers"], "--folded-wakers needs --format folded"),
+                      (["--format", "folded", "--folded-wakers", "--no-wakers"],
+                       "--folded-wakers needs"),
+                      (["--no-wakers", "--waker-stacks-min", "5ms"], "with --no-wakers"),
+                      (["--waker-stacks-min", "soon"], "--waker-stacks-min:")):
+        r = run_offtop("--batch", "--count", "1", *args)
+        assert r.returncode == 2 and why in r.stderr and len(r.stderr.splitlines()) == 1, \
+            (args, r.stderr)

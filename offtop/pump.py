@@ -1,0 +1,145 @@
+"""The source's side of the TUI: a worker thread that runs the `SnapshotSource`
+and posts what it gives to the app, and the messages it posts.
+
+Everything a snapshot costs before it can be shown happens in that thread,
+off the event loop: its index (`SnapshotIndex`), the since-start totals and
+the queue of what it brought (`Arrivals`). A backlog of `SnapshotReady`
+collapses to the newest; long blocks, counts and notices wait in `Arrivals`,
+so none is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from collections.abc import Callable
+
+from rich.text import Text
+from textual.app import App
+from textual.message import Message
+from textual.worker import get_current_worker
+
+from offtop.model import ChainCatalog, SinceStart, Snapshot, SnapshotIndex
+from offtop.safe_text import printable_lines
+from offtop.source import SnapshotSource
+from offtop.widgets.arrivals import Arrivals
+from offtop.widgets.long_blocks_log import LongBlocksLog
+
+
+class SnapshotReady(Message):
+    """A new snapshot from the source, indexed; a newer one still queued replaces it."""
+
+    def __init__(self, index: SnapshotIndex) -> None:
+        super().__init__()
+        self.index = index
+
+    def can_replace(self, message: Message) -> bool:
+        """Only the newest snapshot matters (what must not be lost is in `Arrivals`)."""
+        return isinstance(message, SnapshotReady)
+
+
+class SourceStarted(Message):
+    """`source.start()` returned: the capture is running."""
+
+
+class SourceFailed(Message):
+    """The source raised: in `start()` (`started=False`) or later."""
+
+    def __init__(self, error: BaseException, *, started: bool) -> None:
+        super().__init__()
+        self.error = error
+        self.started = started
+
+
+class SourceEnded(Message):
+    """The source has no more snapshots (a replay ran out, a run is over, or we stop)."""
+
+
+class SnapshotPump:
+    """Runs the source in a worker thread and posts what it gives to the app.
+
+    Everything a snapshot costs before it can be shown happens here, off the
+    event loop: its index, the since-start totals, the queue of what it
+    brought. `stopping` ends the thread at its next wait.
+    """
+
+    def __init__(self, app: App[int], source: SnapshotSource, interval_s: float) -> None:
+        self.app = app
+        self.source = source
+        self.interval_s = interval_s
+        self.stopping = threading.Event()
+        self.catalog = ChainCatalog()
+        self.since_start = SinceStart()
+        self.arrivals = Arrivals(max_blocks=LongBlocksLog.MAX_LINES)
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        self.app.run_worker(self._run, name="source", group="source", thread=True,
+                            exclusive=True, exit_on_error=False)
+
+    def _run(self) -> None:
+        worker = get_current_worker()
+        try:
+            self.source.start()
+        except Exception as error:
+            self.app.post_message(SourceFailed(error, started=False))
+            return
+        self.app.post_message(SourceStarted())
+        while not self.stopping.is_set() and not worker.is_cancelled:
+            try:
+                snap = self.source.next_snapshot(self.interval_s, self.stopping)
+            except Exception as error:
+                self.app.post_message(SourceFailed(error, started=True))
+                return
+            if snap is None:
+                break
+            self.publish(snap)
+        self.app.post_message(SourceEnded())
+
+    def publish(self, snap: Snapshot) -> None:
+        """Index a snapshot, queue what it brought, post it, then add it to
+        the since-start totals (after: the screen need not wait for that)."""
+        index = SnapshotIndex(snap, self.catalog)
+        self.arrivals.put(snap)
+        self.app.post_message(SnapshotReady(index))
+        self.since_start.add(index)
+
+
+class ExitSignals:
+    """SIGTERM and SIGHUP end the app cleanly (terminal restored), as `q` does."""
+
+    def __init__(self, on_signal: Callable[[], None]) -> None:
+        self.on_signal = on_signal
+        #: The signals handled now.
+        self.installed: list[int] = []
+
+    def install(self) -> None:
+        """Handle the signals on the running loop (not possible off the main thread)."""
+        try:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                loop.add_signal_handler(sig, self.on_signal)
+                self.installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread, or no signals on this platform
+
+    def remove(self) -> None:
+        """Give the signals back."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for sig in self.installed:
+            loop.remove_signal_handler(sig)
+        self.installed.clear()
+
+
+def failure_text(error: BaseException, *, started: bool) -> Text:
+    """What the screen says when the capture could not start or stopped."""
+    text = Text("The capture stopped:\n\n" if started
+                else "offtop could not start the capture:\n\n", style="bold")
+    # An error may quote what a process controls (a path, a name): escaped.
+    text.append(f"{type(error).__name__}: {printable_lines(str(error))}", style="#ff6b6b")
+    text.append("\n\nPress q to quit.", style="dim")
+    return text
