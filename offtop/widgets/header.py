@@ -18,6 +18,7 @@ from textual.widget import Widget
 
 from offtop.model import CaptureStats, SnapshotIndex
 from offtop.source import SourceInfo
+from offtop.symbols import NO_SYMBOL
 from offtop.units import format_ns
 from offtop.widgets.render import clock_time, untrusted_text
 
@@ -77,10 +78,12 @@ def problems_text(stats: CaptureStats) -> Text:
     symbols = [(n, what) for n, what in ((stats.symbol_misses, "unresolved"),
                                          (stats.symbol_deadline_misses, "left for later"))
                if n]
-    if symbols or stats.symbol_errors:
+    # An address with no symbol (a stripped binary) is counted as unresolved already.
+    errors = {why: n for why, n in stats.symbol_errors.items() if why != NO_SYMBOL}
+    if symbols or errors:
         text = ", ".join(f"{n:,} {what}" for n, what in symbols)
-        if stats.symbol_errors:
-            text += ("; " if text else "") + "errors: " + _causes(stats.symbol_errors)
+        if errors:
+            text += ("; " if text else "") + "errors: " + _causes(errors)
         _field(t, "symbols", text, WARN_STYLE)
     if stats.python_failures:
         _field(t, "python stacks failed", _causes(stats.python_failures), WARN_STYLE)
