@@ -397,6 +397,24 @@ def test_go_pprof_top_shows_each_function_with_its_total(go_pprof: Any, tmp_path
     assert "offtop_wl_sleep" not in focused
 
 
+def test_go_pprof_shows_python_frames_with_their_file_and_line(go_pprof: Any,
+                                                              tmp_path: Path) -> None:
+    """A Python frame is a function with its own file and line; `<module>` survives
+    pprof's C++ template trimming (it showed as a bare "py:")."""
+    py = (Frame("clock_nanosleep", "libc.so.6"), Frame("py:wait_in_sleep (waits.py:40)", "python"),
+          Frame("py:<module> (waits.py:109)", "python"))
+    acc = ProfileAccumulator()
+    acc.add(snap(1, [row(7, 7, "python3", "S", 900 * MS, 9, SLEEP_K, py)]))
+    path = tmp_path / "py.pb.gz"
+    path.write_bytes(pprof_bytes(acc.profile()))
+    top = top_ns(go_pprof(path, "-top", "-unit=ns", "-nodecount=100"))
+    assert top["py:wait_in_sleep"] == (0, 900 * MS)
+    assert top["py:[module]"] == (0, 900 * MS)
+    assert not any(name.rstrip() == "py:" for name in top)
+    lines = go_pprof(path, "-traces", "-lines")
+    assert "py:wait_in_sleep waits.py:40" in lines and "py:[module] waits.py:109" in lines, lines
+
+
 def test_go_pprof_traces_show_labels_and_stacks_leaf_first(go_pprof: Any, tmp_path: Path) -> None:
     path = tmp_path / "offcpu.pb.gz"
     path.write_bytes(pprof_bytes(known_profile()))

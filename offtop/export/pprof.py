@@ -27,6 +27,7 @@ consumer, `go tool pprof`.
 from __future__ import annotations
 
 import gzip
+import re
 from collections.abc import Iterable, Sequence
 
 from offtop.export.accumulator import ProfileData, StackTotal
@@ -193,9 +194,13 @@ class _Builder:
             out.message(3, _Message().varint(1, mid).varint(5, s(module)).varint(7, 1))
         for (name, _module, _kernel), (lid, mid) in self.locations.items():
             # Location id == function id: one function per location.
+            shown, file, line = _function_parts(name)
             out.message(4, _Message().varint(1, lid).varint(2, mid)
-                        .message(4, _Message().varint(1, lid)))
-            out.message(5, _Message().varint(1, lid).varint(2, s(name)).varint(3, s(name)))
+                        .message(4, _Message().varint(1, lid).varint(2, line)))
+            fn = _Message().varint(1, lid).varint(2, s(shown)).varint(3, s(name))
+            if file:
+                fn.varint(4, s(file))
+            out.message(5, fn)
         start_ns = round(data.start * 1e9)
         out.varint(9, start_ns)
         out.varint(10, round(data.duration_s * 1e9))
@@ -207,6 +212,25 @@ class _Builder:
         out.varint(14, s(DEFAULT_SAMPLE_TYPE))
         s.write(out)
         return bytes(out.buf)
+
+
+#: A Python frame as offtop names it: "py:FUNC (FILE:LINE)".
+_PY_FRAME = re.compile(r"(py:.*) \((.+):(\d+)\)")
+
+
+def _function_parts(name: str) -> tuple[str, str, int]:
+    """(function name, file, line) of a frame, for pprof's Function and Line.
+
+    A Python frame's file and line go in their own fields. CPython's
+    `<module>`, `<lambda>`, `<listcomp>` are written `[module]`...: pprof
+    drops anything in angle brackets as C++ template arguments, which left
+    "py:" alone on the screen. The full name stays the system name.
+    """
+    m = _PY_FRAME.fullmatch(name)
+    if m is None:
+        return name, "", 0
+    func = m.group(1).replace("<", "[").replace(">", "]")
+    return func, m.group(2), min(int(m.group(3)), 1 << 31)
 
 
 def default_comments(data: ProfileData) -> list[str]:
