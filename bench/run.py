@@ -538,6 +538,11 @@ def bench_switch(ctx: Ctx) -> dict[str, Any]:
         offtop_tracer("offtop-user", "offtop, user stacks only", "--no-kernel-stacks"),
         offtop_tracer("offtop-kernel", "offtop, kernel stacks only", "--no-user-stacks"),
         offtop_tracer("offtop-nostacks", "offtop, no stacks", "--no-stacks"),
+        # Wakers (issue 11): every pingpong switch is also a wakeup. Its blocks are
+        # short (< 1 ms): by default the waker is named but its stacks not taken.
+        offtop_tracer("offtop-nowakers", "offtop, both stacks, --no-wakers", "--no-wakers"),
+        offtop_tracer("offtop-wakerstacks", "offtop, both stacks, waker stacks always",
+                      "--waker-stacks-min", "0"),
         bpftrace_tracer(tools),
         EMPTY_TRACER,
     ]
@@ -618,6 +623,14 @@ def bench_switch(ctx: Ctx) -> dict[str, Any]:
             print(f"   offtop (both stacks) / bpftrace = {res['stacks_vs_bpftrace']:.2f}x  ({target})")
         if "nostacks_vs_empty" in res:
             print(f"   offtop (no stacks) / empty program = {res['nostacks_vs_empty']:.2f}x  (target <= 2x)")
+        if "offtop" in med and "offtop-nowakers" in med:
+            res["wakers_ns_per_wakeup"] = med["offtop"] - med["offtop-nowakers"]
+            line = (f"   waker capture, per switch (each one a wakeup): names "
+                    f"{res['wakers_ns_per_wakeup']:+.0f} ns")
+            if "offtop-wakerstacks" in med:
+                res["waker_stacks_ns_per_wakeup"] = med["offtop-wakerstacks"] - med["offtop-nowakers"]
+                line += f", names and stacks {res['waker_stacks_ns_per_wakeup']:+.0f} ns"
+            print(line + " (against --no-wakers, same round)")
     return result
 
 
