@@ -187,13 +187,13 @@ class OfftopApp(App[int]):
         self.pump.start()
 
     def on_unmount(self) -> None:
-        self.stopping.set()
+        self.pump.stop()
         self.signals.remove()
 
     def exit(self, result: int | None = None, return_code: int = 0,
              message: RenderableType | None = None) -> None:
         """Stop the source thread, then exit as usual."""
-        self.stopping.set()
+        self.pump.stop()
         super().exit(result, return_code, message)
 
     def publish(self, snap: Snapshot) -> None:

@@ -27,7 +27,7 @@ from offtop.export import ProfileAccumulator, pprof_bytes, speedscope_json
 from offtop.model import Snapshot
 from offtop.outputs import Outputs
 from offtop.report import folded_lines, snapshot_json_line, text_report
-from offtop.source import SnapshotSource
+from offtop.source import Hurry, SnapshotSource
 
 
 class Output(Protocol):
@@ -126,6 +126,8 @@ def run_batch(source: SnapshotSource, fmt: BatchFormat, interval_s: float, count
         def on_signal(signum: int, frame: FrameType | None) -> None:
             stop.set()
             writer.stop_requested()
+            if isinstance(source, Hurry):  # the last interval without slow work
+                source.hurry()
 
         sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         with signal_handlers(dict.fromkeys(sigs, on_signal)):

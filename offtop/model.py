@@ -33,6 +33,9 @@ MARK_TRUNCATED = "[stack truncated]"
 MARK_DEPTH_LIMIT = "[depth limit]"
 """The stack was cut at the capture's depth limit."""
 MARK_USER_STACK_LOST = "[user stack lost]"
+#: The stacks of a block that ended while offtop was stopping (not resolved: a
+#: signal must end offtop at once, whatever is left to symbolize).
+MARK_NOT_RESOLVED = "[not resolved: offtop was stopping]"
 """The user stack of this block could not be captured or stored."""
 
 _HEX_DIGITS = frozenset("0123456789abcdef")

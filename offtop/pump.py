@@ -22,7 +22,7 @@ from textual.worker import get_current_worker
 
 from offtop.model import ChainCatalog, SinceStart, Snapshot, SnapshotIndex
 from offtop.safe_text import printable_lines
-from offtop.source import SnapshotSource
+from offtop.source import Hurry, SnapshotSource
 from offtop.widgets.arrivals import Arrivals
 from offtop.widgets.long_blocks_log import LongBlocksLog
 
@@ -72,6 +72,13 @@ class SnapshotPump:
         self.catalog = ChainCatalog()
         self.since_start = SinceStart()
         self.arrivals = Arrivals(max_blocks=LongBlocksLog.MAX_LINES)
+
+    def stop(self) -> None:
+        """End the worker thread at its next wait; a sub-tick under way finishes without
+        resolving new stacks (the source hurries), so quitting never waits for them."""
+        self.stopping.set()
+        if isinstance(self.source, Hurry):
+            self.source.hurry()
 
     def start(self) -> None:
         """Start the worker thread."""

@@ -80,6 +80,17 @@ class BlockedWaits(Protocol):
         ...
 
 
+@runtime_checkable
+class Hurry(Protocol):
+    """What a source may offer besides `SnapshotSource`: a way to say "stopping"."""
+
+    def hurry(self) -> None:
+        """A stop is on its way: build what is left (the unfinished interval) without
+        the slow work (new stacks are not resolved), so a signal ends offtop at once.
+        Callable from a signal handler or any thread."""
+        ...
+
+
 def local_info(kind: str, scope: str = "all tasks", stacks: str = "kernel+user") -> SourceInfo:
     """A `SourceInfo` for this machine."""
     return SourceInfo(

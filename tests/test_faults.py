@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from offtop.model import MARK_TRUNCATED, Aggregator, Sample, Snapshot
+from offtop.model import MARK_NOT_RESOLVED, MARK_TRUNCATED, Aggregator, Frame, Sample, Snapshot
 from offtop.symbols import Mapping, UserSymbols
 from tests.conftest import ROOT, offtop_json, task_of, wait_until
 
@@ -866,12 +866,50 @@ def test_exit_guard_acts_at_once_when_the_terminal_hangs_up() -> None:
         os.close(slave)
 
 
+#: The `offtop` command as its console script runs it (see pyproject.toml), saying
+#: "started" once Python itself is up (a signal before that is Python's own matter:
+#: it ends the process, or fails importing `site`, before any offtop code runs).
+#: OFFTOP_SLOW_IMPORT=S makes importing offtop.cli take S seconds longer.
+OFFTOP_COMMAND = [sys.executable, "-c", """
+import os, sys, time
+class SlowImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "offtop.cli":
+            time.sleep(float(os.environ.get("OFFTOP_SLOW_IMPORT", "0")))
+        return None
+sys.meta_path.insert(0, SlowImport())
+print("started", flush=True)
+from offtop.launch import main
+sys.exit(main())
+"""]
+
+
+def start_offtop_command(*args: str, env: dict[str, str] | None = None
+                         ) -> subprocess.Popen[str]:
+    """`offtop ARGS` (OFFTOP_COMMAND), once it has said "started"."""
+    p = subprocess.Popen([*OFFTOP_COMMAND, *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    assert p.stdout is not None and p.stdout.readline() == "started\n"
+    return p
+
+
 @pytest.mark.bpf
-@pytest.mark.parametrize("after_s", [0.3, 0.5, 0.8])
+def test_signal_while_python_loads_offtop_ends_it_quietly() -> None:
+    """Ctrl-C while Python imports offtop (a second on a loaded machine; held here for
+    two): status 0, nothing on stderr (it was a KeyboardInterrupt traceback)."""
+    p = start_offtop_command("--batch", env={**os.environ, "OFFTOP_SLOW_IMPORT": "2"})
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0 and err == "" and out == "", (p.returncode, err)
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("after_s", [0.1, 0.3, 0.5, 0.8])
 def test_batch_signal_during_startup_exits_at_once(bpf_available: None, after_s: float) -> None:
-    """A signal while bcc compiles (seconds, in C) must not wait for the compiler."""
-    p = subprocess.Popen([sys.executable, "-m", "offtop.cli", "--batch", "--format", "json"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    """A signal while offtop loads, or while its program loads (bcc compiles for
+    seconds, in C, on a first start): at once, without a traceback."""
+    p = start_offtop_command("--batch", "--format", "json")
     time.sleep(after_s)
     t0 = time.monotonic()
     p.send_signal(signal.SIGINT)
@@ -886,6 +924,61 @@ def test_batch_signal_during_startup_exits_at_once(bpf_available: None, after_s:
     assert "Traceback" not in err and err == "", err
     for line in out.splitlines():  # at most a partial interval, whole lines
         json.loads(line)
+
+
+@pytest.mark.bpf
+def test_a_hurried_engine_counts_everything_and_resolves_nothing_new(
+        bpf_available: None, workloads: Any) -> None:
+    """After `hurry()` (a stop is coming) blocks are still counted whole; their stacks,
+    new in that interval, are marked not resolved instead of being symbolized."""
+    from offtop.bpf.engine import BpfSource, EngineConfig
+
+    w = workloads("sleep", "20")
+    src = BpfSource(EngineConfig(pids=(w.pid,), threshold_ns=10**9))
+    src.start()
+    try:
+        stop = threading.Event()
+        first = src.next_snapshot(0.5, stop)
+        assert first is not None
+        assert any(f.name == "offtop_wl_sleep" for st in first.stacks for f in st.user)
+        src.hurry()
+        snap = src.next_snapshot(0.5, stop)
+        assert snap is not None
+        mine = [st for st in snap.stacks if st.tid == w.tid]
+        assert sum(st.count for st in mine) >= 10, mine
+        assert all(st.user == (Frame(MARK_NOT_RESOLVED),) and not st.kernel for st in mine), mine
+    finally:
+        src.close()
+
+
+@pytest.mark.bpf
+def test_signal_while_many_new_stacks_arrive_exits_at_once(bpf_available: None,
+                                                          tmp_path: Path) -> None:
+    """20,000 distinct stacks keep arriving, each new to offtop for a while: a sub-tick
+    that resolves them can take seconds on a busy machine. A signal cuts it short
+    (the rest of the interval is written with its stacks marked not resolved)."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "no C compiler: run the README's test command (it installs gcc)"
+    binary = tmp_path / "many_stacks"
+    subprocess.run([cc, "-O1", "-fno-omit-frame-pointer", "-fno-optimize-sibling-calls", "-o",
+                    str(binary), str(ROOT / "tests" / "workloads" / "many_stacks.c")], check=True)
+    load = subprocess.Popen([str(binary), "20000", "4"], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert load.stdout is not None and "ready" in load.stdout.readline()
+        live = LiveOfftop.start("-p", str(load.pid), "--threshold", "1s", "--interval", "0.5")
+        try:
+            live.wait_lines(1)
+        except BaseException:
+            live.stop(signal.SIGKILL)
+            raise
+        took = live.stop(signal.SIGINT)
+        assert took < 1.0, f"offtop took {took:.2f}s to exit on SIGINT"
+        assert live.proc.returncode == 0, live.stderr()
+        assert "Traceback" not in live.stderr()
+    finally:
+        os.killpg(load.pid, signal.SIGKILL)
+        load.wait()
 
 
 @pytest.mark.bpf

@@ -40,6 +40,7 @@ from offtop.bpf.unwound import UnwoundStacks
 from offtop.bpf.user_stacks import UserStackRepair
 from offtop.bpf.wakers import RawWaker, Wakers
 from offtop.model import (
+    MARK_NOT_RESOLVED,
     Aggregator,
     BlockedNow,
     CaptureStats,
@@ -158,6 +159,8 @@ class BpfSource:
         self._finished = ""
         self._mono_to_wall = time.time() - time.monotonic()
         self._closed = False
+        #: Set by `hurry()`: new stacks are no longer resolved.
+        self.hurried = threading.Event()
 
     # --- SnapshotSource -----------------------------------------------------
 
@@ -259,6 +262,10 @@ class BpfSource:
         elapsed = max(1e-9, now - self._last_tick)
         self._last_tick = now
         return self._build(elapsed)
+
+    def hurry(self) -> None:
+        """A stop is coming (see `offtop.source.Hurry`): stacks not resolved yet stay so."""
+        self.hurried.set()
 
     def set_threshold(self, ns: int) -> None:
         """The user's long-block threshold, written into the running program (no reload)."""
@@ -449,6 +456,8 @@ class BpfSource:
         blocked gets that user stack instead of the probe's; Python frames
         are spliced in where they were read.
         """
+        if self.hurried.is_set():
+            return (), (_NOT_RESOLVED,), bool(st & ST_BEFORE_START)
         py = self.python
         if st & ST_BEFORE_START:
             before = self.before.pop(tid)
@@ -478,6 +487,8 @@ class BpfSource:
 
     def _user(self, pid: int, sid: int, deadline: float | None) -> tuple[Any, ...]:
         assert self.stacks is not None
+        if self.hurried.is_set():  # a waker's stack too
+            return (_NOT_RESOLVED,)
         return self.stacks.user(pid, self._start_of(pid), sid, deadline=deadline)
 
     # --- the snapshot -------------------------------------------------------
@@ -624,6 +635,9 @@ class BpfSource:
 
 
 _SELF_PID = os.getpid()
+
+
+_NOT_RESOLVED = Frame(MARK_NOT_RESOLVED)
 
 
 def _resolved(frames: tuple[Frame, ...]) -> int:

@@ -1,0 +1,20 @@
+"""The `offtop` command: loads the command line, and a Ctrl-C that comes first ends it quietly.
+
+Loading offtop (Textual, Rich, the engine) takes a few hundred milliseconds,
+seconds on a loaded machine. Python's default SIGINT handler raises
+KeyboardInterrupt wherever the import is; without this, that showed as a
+traceback. Nothing has started yet, so there is nothing to undo or say:
+status 0, as for any stop by signal. (SIGTERM and SIGHUP end the process by
+default in that window, silently too.)
+"""
+
+from __future__ import annotations
+
+
+def main() -> int:
+    """The console entry point (see pyproject.toml)."""
+    try:
+        from offtop.cli import main as cli_main
+    except KeyboardInterrupt:
+        return 0
+    return cli_main()
