@@ -284,6 +284,12 @@ class ReplaySource:
         return self._times[index]
 
     @property
+    def time_travel(self) -> bool:
+        """Steps and seeks reach a consumer that plays to the end: the replay
+        holds there or loops instead of ending (the TUI binds its keys only then)."""
+        return self._hold_at_end or self._loop
+
+    @property
     def paused(self) -> bool:
         """Playback waits for a step, a seek or `resume()`."""
         return self._paused
