@@ -29,7 +29,7 @@ from textual.worker import get_current_worker
 
 from offtop.model import ChainCatalog, SinceStart, Snapshot, SnapshotIndex
 from offtop.safe_text import printable_lines
-from offtop.source import ReplaySource, SnapshotSource
+from offtop.source import SnapshotSource, TimeTravel
 from offtop.widgets.arrivals import Arrivals
 from offtop.widgets.long_blocks_log import LongBlocksLog
 
@@ -110,7 +110,7 @@ class SnapshotPump:
         """The replay brought another interval than the next one (see module
         docstring). Called in this thread right after `next_snapshot`, the
         only place a replay's `position` moves."""
-        if not isinstance(self.source, ReplaySource):
+        if not isinstance(self.source, TimeTravel):
             return False
         last, self._position = self._position, self.source.position
         return self._position != last + 1
@@ -128,7 +128,7 @@ class SnapshotPump:
             self.since_start.clear()
             self.arrivals.restart()
         self.arrivals.put(snap)
-        replay = isinstance(self.source, ReplaySource)
+        replay = isinstance(self.source, TimeTravel)
         if replay:
             self.since_start.add(index)
         self.app.post_message(SnapshotReady(index))

@@ -1,6 +1,6 @@
 """The replay bar: where a replay stands in its recording, and the controls to move it.
 
-Shown only for a replay that can travel in time (`ReplaySource.time_travel`:
+Shown only for a replay that can travel in time (`TimeTravel.time_travel`:
 the TUI's `--replay`). One line: the state (playing, paused, at end), the
 speed, the recorded wall time of the interval on screen and its number, and
 a time cursor over the whole recording, the interval on screen marked; a
@@ -24,7 +24,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from offtop.model import SnapshotIndex
-from offtop.source import ReplaySource, SnapshotSource
+from offtop.source import SnapshotSource, TimeTravel
 from offtop.widgets.render import clock_time
 
 PLAYED_STYLE = "#5fafd7"
@@ -33,10 +33,10 @@ CURSOR_STYLE = "bold reverse #e0c050"
 _LABELLED_TRACK = 40
 
 
-def time_travel(source: SnapshotSource) -> ReplaySource | None:
+def time_travel(source: SnapshotSource) -> TimeTravel | None:
     """The replay to bind the keys and the bar to, or None (a live source, or
     a replay that ends at its last interval: steps would reach no one)."""
-    return source if isinstance(source, ReplaySource) and source.time_travel else None
+    return source if isinstance(source, TimeTravel) and source.time_travel else None
 
 
 def speed_text(speed: float) -> str:
@@ -84,7 +84,7 @@ class ReplayBar(Widget):
     speed: reactive[float] = reactive(1.0)
     """How many times faster than recorded the replay plays."""
 
-    def __init__(self, replay: ReplaySource, *, id: str | None = None,
+    def __init__(self, replay: TimeTravel, *, id: str | None = None,
                  classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.replay = replay
