@@ -1059,7 +1059,9 @@ def recording_rows(r: dict[str, Any], run: str) -> list[tuple[str, str, str, str
               else "; someone else's busy server as the load" if m.get("load_shared") else "")
         rows.append((f"8. recording: an hour of --record, 1 s intervals, {label}",
                      f"{m['bytes_per_hour'] / 1e9:,.2f} GB/hour ({m['bytes_per_interval'] / 1e3:,.1f} kB "
-                     f"per interval, {m['json_bytes_per_interval'] / 1e3:,.0f} kB of JSON; "
+                     f"per interval, {m['json_bytes_per_interval'] / 1e3:,.0f} kB of JSON; intervals of "
+                     f"{m['interval_s']:.1f} s (median), at 1 s: "
+                     f"{m['bytes_per_hour_at_1s'] / 1e9:.2f} GB/hour; "
                      f"{m['tasks']:,.0f} tasks, {m['stacks']:,.0f} stacks, "
                      f"{m['recorded_blocks_per_s'] / 1e3:,.1f}k blocks/s recorded, "
                      f"{m['switches_per_s'] / 1e3:,.0f}k switches/s machine-wide{at})",
