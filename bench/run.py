@@ -8,7 +8,8 @@
 
 Benchmarks: switch (added cost per context switch), throughput (events/s at
 threshold 0), cpu (offtop's own CPU), startup, memory, ui, busy (offtop, top
-and htop on a busy server: bench/busy_server.py). bench/README.md
+and htop on a busy server: bench/busy_server.py), recording (the size of an
+hour of --record, busy and idle: bench/recording_size.py). bench/README.md
 says what each one measures. These machines are shared and noisy, so every
 comparison runs its configurations alternately, round after round, in one
 run, and reports medians with min-max. The latest figures are kept in
@@ -47,7 +48,7 @@ README = BENCH / "README.md"
 PY = sys.executable
 TRACER_CPU = "0"  # offtop, bpftrace, the empty probe
 WORKLOAD_CPU = "1"  # the measured workload
-BENCHMARKS = ("switch", "throughput", "cpu", "startup", "memory", "ui", "busy")
+BENCHMARKS = ("switch", "throughput", "cpu", "startup", "memory", "ui", "busy", "recording")
 # Targets (issue 14). Like-for-like per-switch cost (every switch a block) against bpftrace's:
 SWITCH_VS_BPFTRACE = 0.5
 # Typography for the README, spelled as escapes (ruff flags look-alike characters).
@@ -1041,6 +1042,46 @@ def bench_busy(ctx: Ctx) -> dict[str, Any]:
     return result
 
 
+# --- 8. the size of a recording ---------------------------------------------------------
+
+
+def bench_recording(ctx: Ctx) -> dict[str, Any]:
+    """bench/recording_size.py, run as it is; its figures from its JSON."""
+    out = OUT / "recording.json"
+    out.unlink(missing_ok=True)
+    seconds = 30 if ctx.quick else 90
+    argv = [PY, str(BENCH / "recording_size.py"), "--seconds", str(seconds), "--json", str(out)]
+    say(f"recording: {' '.join(argv[1:])}")
+    r = subprocess.run(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT, timeout=3600)
+    if r.returncode != 0 or not out.exists():
+        raise BenchError(f"recording_size.py failed ({r.returncode})")
+    print(r.stdout.rstrip())
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def recording_rows(r: dict[str, Any], run: str) -> list[tuple[str, str, str, str, str]]:
+    """The recording benchmark's rows (bench/recording_size.py writes `r`)."""
+    rows = []
+    for what, label in (("busy", "the busy server (section 7's load)"), ("idle", "an idle machine")):
+        m = r.get(what)
+        if not m:
+            continue
+        load = m.get("load")
+        at = (f"; the load at {load['blocks_per_s'] / 1e3:.1f}k blocks/s" if load
+              else "; someone else's busy server as the load" if m.get("load_shared") else "")
+        rows.append((f"8. recording: an hour of --record, 1 s intervals, {label}",
+                     f"{m['bytes_per_hour'] / 1e9:,.2f} GB/hour ({m['bytes_per_interval'] / 1e3:,.1f} kB "
+                     f"per interval, {m['json_bytes_per_interval'] / 1e3:,.0f} kB of JSON; intervals of "
+                     f"{m['interval_s']:.1f} s (median), at 1 s: "
+                     f"{m['bytes_per_hour_at_1s'] / 1e9:.2f} GB/hour; "
+                     f"{m['tasks']:,.0f} tasks, {m['stacks']:,.0f} stacks, "
+                     f"{m['recorded_blocks_per_s'] / 1e3:,.1f}k blocks/s recorded, "
+                     f"{m['switches_per_s'] / 1e3:,.0f}k switches/s machine-wide{at})",
+                     "none (issue 12 names none); --replay reads files up to 256 MB", DASH, run))
+    return rows
+
+
 # --- bench/README.md ------------------------------------------------------------------
 
 
@@ -1182,6 +1223,9 @@ def summary_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     busy = res.get("busy", {}).get("result")
     if busy:
         rows += busy_rows(busy, when("busy"))
+    rec = res.get("recording", {}).get("result")
+    if rec:
+        rows += recording_rows(rec, when("recording"))
     return rows
 
 
@@ -1283,6 +1327,7 @@ RUNNERS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "memory": bench_memory,
     "ui": bench_ui,
     "busy": bench_busy,
+    "recording": bench_recording,
 }
 
 

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 from rich.console import RenderableType
 from textual import on
-from textual.actions import SkipAction
+from textual.actions import SkipAction, parse
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
@@ -38,7 +38,7 @@ from textual.reactive import var
 from textual.screen import Screen
 from textual.widgets import Input, Static
 
-from offtop.app_keys import APP_BINDINGS, PALETTE, THRESHOLD_PRESETS_NS
+from offtop.app_keys import APP_BINDINGS, PALETTE, REPLAY_BINDINGS, THRESHOLD_PRESETS_NS
 from offtop.model import Snapshot, SnapshotIndex
 from offtop.pump import (
     ExitSignals,
@@ -60,6 +60,7 @@ from offtop.widgets.header import OfftopHeader
 from offtop.widgets.help_screen import HelpScreen, help_sections
 from offtop.widgets.key_bar import KeyBar
 from offtop.widgets.long_blocks_log import LongBlocksLog
+from offtop.widgets.replay_bar import ReplayBar, time_travel
 from offtop.widgets.scopes import Scope
 from offtop.widgets.stacks_pane import StacksPane
 from offtop.widgets.task_table import COLUMN_TITLES, SORT_CYCLE, TaskTable
@@ -80,7 +81,7 @@ class OfftopApp(App[int]):
     AUTO_FOCUS = "#tasks-pane"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-normal"), (180, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (24, "-tall")]
-    BINDINGS: ClassVar[list[BindingType]] = APP_BINDINGS
+    BINDINGS: ClassVar[list[BindingType]] = [*APP_BINDINGS, *REPLAY_BINDINGS]
 
     info: var[SourceInfo | None] = var(None, init=False)
     """What the source says it captures (bound to the header)."""
@@ -120,6 +121,8 @@ class OfftopApp(App[int]):
                  export_dir: Path | None = None) -> None:
         super().__init__()
         self.source = source
+        #: The replay the time-travel keys and the replay bar drive (None: live).
+        self.replay = time_travel(source)
         self.interval_s = interval_s
         self.pump = SnapshotPump(self, source, interval_s)
         #: Measures how late the source is (the header warns after 3 intervals).
@@ -176,6 +179,8 @@ class OfftopApp(App[int]):
                                         ).data_bind(value_ns=app.threshold_ns)
                     yield LongBlocksLog(id="long-blocks", classes="pane").data_bind(
                         app.arrived, app.threshold_ns, app.show_kernel, app.show_user)
+        if self.replay is not None:
+            yield ReplayBar(self.replay, id="replay").data_bind(app.index)
         yield FilterInput(id="filter")
         yield Static(id="error")
         yield KeyBar(id="keys")
@@ -273,7 +278,8 @@ class OfftopApp(App[int]):
     def _check_stall(self) -> None:
         """A running source more than three intervals late is said to be."""
         late = self.clock() - self._arrived
-        running = self.status == "running" and not self.paused
+        # A replay is never late: it waits for play, or holds at its end.
+        running = self.status == "running" and not self.paused and self.replay is None
         self.stalled_s = late if running and late > 3 * self.interval_s else 0.0
 
     @on(TaskTable.TaskHighlighted)
@@ -324,6 +330,19 @@ class OfftopApp(App[int]):
         self.query_one(TaskTable).focus()
 
     # --- actions ----------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The replay keys only in a replay, where p and space pause the replay
+        instead of the display (hidden keys leave the key bar and the help)."""
+        if action == "replay":
+            return self.replay is not None
+        if action == "toggle_pause":
+            return self.replay is None
+        return True
+
+    def action_replay(self, command: str, amount: int = 0) -> None:
+        """Time travel in a replay: pause, step, start, end, slower, faster."""
+        self.query_one(ReplayBar).run(command, amount)
 
     def action_toggle_pause(self) -> None:
         """Freeze or unfreeze the display."""
@@ -383,7 +402,9 @@ class OfftopApp(App[int]):
     def action_help(self) -> None:
         """Show every key (built from the bindings)."""
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(help_sections(self.BINDINGS)))
+            in_force = [b for b in self.BINDINGS if not isinstance(b, Binding)
+                        or self.check_action(*parse(b.action)[1:]) is not False]
+            self.push_screen(HelpScreen(help_sections(in_force)))
 
     def get_system_commands(self, screen: Screen[object]) -> Iterable[SystemCommand]:
         """Textual's commands, plus offtop's switches, sorts and threshold presets."""

@@ -71,3 +71,34 @@ THRESHOLD_PRESETS_NS: tuple[int, ...] = (
     0, 100_000, 1_000_000, 10_000_000, 100_000_000, 500_000_000, 1_000_000_000,
     10_000_000_000, 60_000_000_000,
 )
+
+#: The keys of a replay that can travel in time (`--replay`), mpv's: `,` `.` step one
+#: interval, `<` `>` ten, `[` `]` halve and double the speed; g / G go to the start
+#: and the end (not Home/End: the focused tables and the slider use those). Steps
+#: pause, as a video player's frame steps do; p and space pause the replay itself
+#: (the display's pause is disabled then: a replay's display follows its position).
+#: The app enables them only in such a replay (`check_action`), so the key bar and
+#: the help show them only there.
+REPLAY_BINDINGS: list[BindingType] = [
+    Binding("p", "replay('pause')", "Play/pause", id="replay.pause",
+            tooltip="Pause / play the replay"),
+    Binding("space", "replay('pause')", "Play/pause", show=False, id="replay.pause_space"),
+    Binding("comma", "replay('step', -1)", "Back", key_display=",", id="replay.back",
+            tooltip="One interval back (and pause)"),
+    Binding("full_stop", "replay('step', 1)", "Forward", key_display=".", id="replay.forward",
+            tooltip="One interval forward (and pause)"),
+    Binding("less_than_sign", "replay('step', -10)", "Back 10", show=False, key_display="<",
+            tooltip="Ten intervals back (and pause)", id="replay.back10"),
+    Binding("greater_than_sign", "replay('step', 10)", "Forward 10", show=False,
+            key_display=">", tooltip="Ten intervals forward (and pause)",
+            id="replay.forward10"),
+    Binding("g", "replay('start')", "Start", show=False, id="replay.start",
+            tooltip="The first interval of the recording"),
+    Binding("G", "replay('end')", "End", show=False, id="replay.end",
+            tooltip="The last interval of the recording"),
+    Binding("left_square_bracket", "replay('slower')", "Slower", show=False, key_display="[",
+            tooltip="Play at half the speed (down to 1/16x)", id="replay.slower"),
+    Binding("right_square_bracket", "replay('faster')", "Faster", show=False,
+            key_display="]", tooltip="Play at twice the speed (up to 64x)",
+            id="replay.faster"),
+]

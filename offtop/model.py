@@ -1032,6 +1032,15 @@ class SinceStart:
             if len(totals) > self._max:
                 self._shed()
 
+    def clear(self) -> None:
+        """Forget every total: the next `add` starts them again (a replay
+        jumped, and its totals begin at the interval it jumped to)."""
+        with self._lock:
+            self._totals.clear()
+            self.dropped_ns = 0
+            self.snapshots = 0
+            self.since = 0.0
+
     def _shed(self) -> None:
         ranked = sorted(self._totals.items(), key=lambda kv: kv[1].ns)
         for key, cur in ranked[: len(ranked) - self._max * 3 // 4]:

@@ -6,6 +6,13 @@ off the event loop: its index (`SnapshotIndex`), the since-start totals and
 the queue of what it brought (`Arrivals`). A backlog of `SnapshotReady`
 collapses to the newest; long blocks, counts and notices wait in `Arrivals`,
 so none is lost.
+
+A replay may jump (a step back, a seek, a loop to the start): the interval
+it brings is then not the one after the last. The since-start totals and
+the long-block log cover one unbroken stretch of intervals ending at the
+one shown, so a jump starts them again at the interval jumped to (cheap, and
+nothing is counted twice; replaying every interval from the recording's
+start to rebuild them would cost the whole recording's decoding per step).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from textual.worker import get_current_worker
 
 from offtop.model import ChainCatalog, SinceStart, Snapshot, SnapshotIndex
 from offtop.safe_text import printable_lines
-from offtop.source import Hurry, SnapshotSource
+from offtop.source import Hurry, SnapshotSource, TimeTravel
 from offtop.widgets.arrivals import Arrivals
 from offtop.widgets.long_blocks_log import LongBlocksLog
 
@@ -72,6 +79,8 @@ class SnapshotPump:
         self.catalog = ChainCatalog()
         self.since_start = SinceStart()
         self.arrivals = Arrivals(max_blocks=LongBlocksLog.MAX_LINES)
+        #: The source's own number of the interval published last (replays only).
+        self._position = -1
 
     def stop(self) -> None:
         """End the worker thread at its next wait; a sub-tick under way finishes without
@@ -101,16 +110,37 @@ class SnapshotPump:
                 return
             if snap is None:
                 break
-            self.publish(snap)
+            self.publish(snap, restart=self._jumped())
         self.app.post_message(SourceEnded())
 
-    def publish(self, snap: Snapshot) -> None:
+    def _jumped(self) -> bool:
+        """The replay brought another interval than the next one (see module
+        docstring). Called in this thread right after `next_snapshot`, the
+        only place a replay's `position` moves."""
+        if not isinstance(self.source, TimeTravel):
+            return False
+        last, self._position = self._position, self.source.position
+        return self._position != last + 1
+
+    def publish(self, snap: Snapshot, *, restart: bool = False) -> None:
         """Index a snapshot, queue what it brought, post it, then add it to
-        the since-start totals (after: the screen need not wait for that)."""
+        the since-start totals (after: the screen need not wait for that).
+
+        `restart`: a replay jumped, the totals and the log start again here.
+        A replay adds first: paused, it sends no next snapshot whose totals
+        would catch up with one ranked before its own were added.
+        """
         index = SnapshotIndex(snap, self.catalog)
+        if restart:
+            self.since_start.clear()
+            self.arrivals.restart()
         self.arrivals.put(snap)
+        replay = isinstance(self.source, TimeTravel)
+        if replay:
+            self.since_start.add(index)
         self.app.post_message(SnapshotReady(index))
-        self.since_start.add(index)
+        if not replay:
+            self.since_start.add(index)
 
 
 class ExitSignals:

@@ -69,8 +69,9 @@ HEADER_KEY = "offtop_recording"
 
 #: The largest file `--replay` reads: replay keeps it in memory (compressed).
 MAX_FILE_BYTES = 256 << 20
-#: The longest line (one interval) once inflated; a real one is ~1 MB for 2,000 tasks.
-MAX_LINE_BYTES = 16 << 20
+#: The longest line (one interval) once inflated: ~1 MB for 2,000 tasks, ~20 MB for
+#: a busy server (the aggregator keeps at most 20,000 stacks an interval).
+MAX_LINE_BYTES = 64 << 20
 #: All lines together, inflated: bounds the time a load takes (and a zip bomb).
 MAX_INFLATED_BYTES = 2 << 30
 #: Lines kept uncompressed (plain files, single-stream gzip) are held in

@@ -91,6 +91,67 @@ class Hurry(Protocol):
         ...
 
 
+@runtime_checkable
+class TimeTravel(Protocol):
+    """What a replay offers besides `SnapshotSource`: moving in its recording
+    (`ReplaySource` has it; the CLI's wrappers pass it through, so this is
+    checked by shape, not by class). Callable from any thread."""
+
+    @property
+    def time_travel(self) -> bool:
+        """Steps and seeks reach the screen (the replay holds at its end or loops)."""
+        ...
+
+    @property
+    def position(self) -> int:
+        """The index of the interval returned last (-1 before the first)."""
+        ...
+
+    @property
+    def length(self) -> int:
+        """How many intervals the recording holds."""
+        ...
+
+    @property
+    def times(self) -> Sequence[float]:
+        """The end time (unix s) of every interval, in order."""
+        ...
+
+    @property
+    def paused(self) -> bool:
+        """Playback waits for a step, a seek or a resume."""
+        ...
+
+    @property
+    def speed(self) -> float:
+        """How many times faster than recorded it plays."""
+        ...
+
+    def time_at(self, index: int) -> float:
+        """The end time (unix s) of interval `index`."""
+        ...
+
+    def toggle_pause(self) -> bool:
+        """Pause or resume; returns whether paused now."""
+        ...
+
+    def step(self, delta: int = 1) -> int:
+        """The interval `delta` away, at once, and pause there."""
+        ...
+
+    def seek(self, index: int) -> int:
+        """Interval `index` at once, playing or paused as before."""
+        ...
+
+    def faster(self) -> float:
+        """Double the speed; returns it."""
+        ...
+
+    def slower(self) -> float:
+        """Halve the speed; returns it."""
+        ...
+
+
 def local_info(kind: str, scope: str = "all tasks", stacks: str = "kernel+user") -> SourceInfo:
     """A `SourceInfo` for this machine."""
     return SourceInfo(
@@ -293,6 +354,12 @@ class ReplaySource:
     def time_at(self, index: int) -> float:
         """The end time (unix s) of interval `index`."""
         return self._times[index]
+
+    @property
+    def time_travel(self) -> bool:
+        """Steps and seeks reach a consumer that plays to the end: the replay
+        holds there or loops instead of ending (the TUI binds its keys only then)."""
+        return self._hold_at_end or self._loop
 
     @property
     def paused(self) -> bool:

@@ -382,7 +382,7 @@ REPLAYS: list[tuple[str, Callable[[Path], Path], list[str]]] = [
     ("number", _write("1\n"), ["line 1", "found 1"]),
     ("deeply-nested", _write("[" * 200_000 + "]" * 200_000 + "\n"), ["nested too deeply"]),
     ("2-GiB", _sparse(2 << 30), ["2048 MiB", "256 MiB"]),
-    ("line-of-17-MiB", _long_line(17 << 20), ["line 1", "longer than 16 MiB"]),
+    ("line-of-65-MiB", _long_line(65 << 20), ["line 1", "longer than 64 MiB"]),
     ("fifo", _fifo, ["a FIFO"]),
     ("dev-zero", lambda d: Path("/dev/zero"), ["a device"]),
     ("binary-junk", _write(bytes(range(255, -1, -1)) * 64), ["line 1", "not UTF-8"]),

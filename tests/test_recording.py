@@ -181,9 +181,9 @@ BAD_FILES: list[tuple[str, Callable[[], bytes], list[str]]] = [
     ("bad-field-in-a-member", lambda: _member(HEADER.to_json())
      + _member({**_good()[0], "tasks": [{**_good()[0]["tasks"][0], "pid": -1}]}),
      ["line 2", "tasks[0].pid"]),
-    ("line-longer-than-16-MiB-inflated",
-     lambda: _member(HEADER.to_json()) + gzip.compress(b"[" + b" " * (17 << 20) + b"]\n"),
-     ["line 2", "longer than 16 MiB"]),
+    ("line-longer-than-64-MiB-inflated",
+     lambda: _member(HEADER.to_json()) + gzip.compress(b"[" + b" " * (65 << 20) + b"]\n"),
+     ["line 2", "longer than 64 MiB"]),
 ]
 
 

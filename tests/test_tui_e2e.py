@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from offtop.recording import load_recording
 from tests.conftest import ROOT, wait_until
 from tests.test_faults import Tmux
 
@@ -134,6 +137,55 @@ def test_new_user_session_in_a_real_terminal(workloads: Any) -> None:
         assert "offtop-exit=0" in tmux.screen(), tmux.screen()
         tmux.type("echo ok-$((40+2))")
         assert wait_until(lambda: "ok-42" in tmux.screen(), timeout=5), tmux.screen()
+        assert "Traceback" not in tmux.screen()
+    finally:
+        tmux.close()
+
+
+def test_a_real_recording_replays_with_its_header_and_steps_back(workloads: Any,
+                                                                  tmp_path: Path) -> None:
+    """`offtop --batch --record` on a workload with real BPF, then `offtop --replay`
+    in a terminal: the recorded host and scope in the header, the replay bar,
+    a step back shows the interval before (its number in the header and the bar)."""
+    if shutil.which("tmux") is None:
+        pytest.fail("tmux is missing: `make test` installs it")
+    w = workloads("sleep", "100")
+    path = tmp_path / "real.rec"
+    r = subprocess.run([sys.executable, "-m", "offtop.cli", "--batch", "--format", "json",
+                        "--interval", "0.5", "--count", "4", "-p", str(w.pid), "--record",
+                        str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    header = load_recording(path).header
+    assert header is not None and header.scope == f"pid {w.pid}"
+    tmux = Tmux()
+    tmux.run("set-option", "-t", "t", "window-size", "manual")
+    tmux.run("resize-window", "-t", "t", "-x", "160", "-y", "45")
+    try:
+        # Replaying needs no root and no BPF: the workload's pid is in no argument.
+        tmux.type(f"cd {ROOT} && env -u COLUMNS -u LINES {sys.executable} -m offtop.cli "
+                  f"--replay {path}; echo offtop-exit=$?")
+
+        def at(seq: int) -> bool:
+            first = tmux.screen().splitlines()[0]
+            return re.search(rf" #{seq} ", first) is not None
+
+        # A replay holds at its end: the fourth interval, half a second each.
+        assert wait_until(lambda: at(4), timeout=30), tmux.screen()
+        screen = tmux.screen()
+        first = screen.splitlines()[0]
+        assert f"host {header.host}" in first and f"scope pid {w.pid}" in first, first
+        assert f"kernel {header.kernel}" in first and "source replay" in first, first
+        assert re.search(r"■ at end\s+1x\s+\d\d:\d\d:\d\d\s+4/4\s", screen), screen
+        assert "offtop_workload" in screen, screen  # the recorded tasks
+        tmux.run("send-keys", "-t", "t", ",")
+        assert wait_until(lambda: at(3), timeout=10), tmux.screen()
+        assert re.search(r"❚❚ paused\s+1x\s+\d\d:\d\d:\d\d\s+3/4\s", tmux.screen()), \
+            tmux.screen()
+        tmux.run("send-keys", "-t", "t", "g")
+        assert wait_until(lambda: at(1), timeout=10), tmux.screen()
+        tmux.run("send-keys", "-t", "t", "q")
+        assert wait_until(lambda: "offtop-exit=0" in tmux.screen(), timeout=10), tmux.screen()
         assert "Traceback" not in tmux.screen()
     finally:
         tmux.close()

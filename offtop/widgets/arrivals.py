@@ -27,6 +27,9 @@ class Taken:
     """Events the perf ring lost (long blocks never seen)."""
     notices: tuple[str, ...]
     """News about the capture's scope, oldest first."""
+    restarted: bool = False
+    """A replay jumped (a step back, a seek): the blocks and counts taken
+    before belong to another stretch of time, and are to be dropped."""
 
 
 class Arrivals:
@@ -39,6 +42,7 @@ class Arrivals:
         self._notices: deque[str] = deque(maxlen=max_notices)
         self._seen = 0
         self._lost = 0
+        self._restarted = False
 
     def put(self, snap: Snapshot) -> None:
         """Queue what one snapshot brought."""
@@ -50,11 +54,22 @@ class Arrivals:
             self._lost += snap.stats.lost
             self._notices.extend(snap.notices)
 
+    def restart(self) -> None:
+        """Drop the blocks and counts queued, and have the next `take` say so:
+        a replay jumped, and what came before is another stretch of time
+        (listing it again on a step back would count its blocks twice)."""
+        with self._lock:
+            self._blocks.clear()
+            self._seen = self._lost = 0
+            self._restarted = True
+
     def take(self) -> Taken:
         """Everything queued since the last call."""
         with self._lock:
-            taken = Taken(tuple(self._blocks), self._seen, self._lost, tuple(self._notices))
+            taken = Taken(tuple(self._blocks), self._seen, self._lost, tuple(self._notices),
+                          self._restarted)
             self._blocks.clear()
             self._notices.clear()
             self._seen = self._lost = 0
+            self._restarted = False
         return taken

@@ -30,9 +30,15 @@ def help_sections(app_bindings: Sequence[BindingType]) -> list[HelpSection]:
     from offtop.widgets.task_table import TaskTable
     from offtop.widgets.threshold_slider import ThresholdSlider
 
+    # A replay's keys (ids `replay.*`, given only in a replay) get their own section.
+    replay = [b for b in app_bindings
+              if isinstance(b, Binding) and (b.id or "").startswith("replay.")]
+    everywhere = [b for b in app_bindings if b not in replay]
     return [
         ("Everywhere", "htop's F-keys work too; + and - always move the threshold",
-         app_bindings),
+         everywhere),
+        *([("Replay", "as in mpv; steps pause; click the time cursor to go there", replay)]
+          if replay else []),
         ("Tables", "arrows, PgUp/PgDn, Home/End; click a header to sort by it; Enter opens "
                    "a task's or stack's tree, a blocked task's stack",
          [*LineTable.BINDINGS, *TaskTable.BINDINGS, *StackTable.BINDINGS,

@@ -143,6 +143,12 @@ class LongBlocksLog(Widget, can_focus=True):
     def watch_arrived(self, taken: Taken | None) -> None:
         if taken is None:
             return
+        if taken.restarted:  # a replay jumped: the blocks listed are of another time
+            self._blocks.clear()
+            self._first, self._top, self._cursor = 0, None, None
+            self.seen = self.lost = 0
+            self._strips.clear()
+            self.refresh()
         self.seen += taken.seen
         self.lost += taken.lost
         end = self._end

@@ -99,6 +99,7 @@ class StacksPane(ContentSwitcher):
                      wanted: tuple[Scope, int | None]) -> None:
             super().__init__()
             self.rows = rows
+            #: The ranking's number (in the order asked).
             self.seq = seq
             self.wanted = wanted
 
@@ -130,6 +131,10 @@ class StacksPane(ContentSwitcher):
         self.scopes = ScopeStacks()
         self._focus_path: Path | None = None
         self._searched = ""
+        #: Rankings asked for, and the number of the one shown: a replay's
+        #: step back shows an older snapshot, so snapshot numbers cannot tell
+        #: a stale ranking from a fresh one.
+        self._since_asked = 0
         self._since_seq = -1
         self._since_for: tuple[Scope, int | None] | None = None
         self._flame_inputs: tuple[Hashable, ...] = ()
@@ -400,7 +405,8 @@ class StacksPane(ContentSwitcher):
         wanted = self._since_wanted()
         if wanted[0].kind != "none":
             self._since_for = wanted
-            self._rank_worker(self.index.snapshot.seq, wanted)
+            self._since_asked += 1
+            self._rank_worker(self._since_asked, wanted)
 
     @work(thread=True, exclusive=True, group="since-start", exit_on_error=False)
     def _rank_worker(self, seq: int, wanted: tuple[Scope, int | None]) -> None:
