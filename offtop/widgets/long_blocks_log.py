@@ -8,9 +8,9 @@ blocks and counts every block that arrived, listed or not, and the events
 the kernel's ring lost ("N seen").
 
 Each line names who woke the block (`← wl-writer 1234/1235`, `← [timer
-interrupt]`) after the task: at a width that cannot hold it all, the
-callchain goes first, then the waker's ids and the clock's milliseconds, and
-last the waker's name is cut short with an ellipsis.
+interrupt]`) after the task: at a width that cannot hold that much, the
+callchain goes, with the waker's ids and the clock's milliseconds, and the
+waker's name is cut short with an ellipsis if it must.
 
 It follows the newest block until the user moves up (keys, wheel, click);
 End follows again. Enter (or a second click) on a block posts `Chosen`, and
@@ -62,10 +62,11 @@ def long_block_line(block: LongBlock, *, show_kernel: bool = True, show_user: bo
     woke = Text.assemble((WOKEN_BY, "dim"), waker_label(block.waker))
     if width is None or head.cell_len + woke.cell_len <= width:
         return Text.assemble(head, woke, "  ", chain, no_wrap=True, end="")
+    # Too narrow: no callchain, no waker ids, no milliseconds (on every such
+    # line, so the columns stay put), and the waker's name cut short.
+    head = _head(block, millis=False)
     woke = Text.assemble((WOKEN_BY, "dim"), waker_label(block.waker, ids=False))
-    if head.cell_len + woke.cell_len > width:
-        head = _head(block, millis=False)
-        woke.truncate(max(len(WOKEN_BY) + 2, width - head.cell_len), overflow="ellipsis")
+    woke.truncate(max(0, width - head.cell_len), overflow="ellipsis")
     return Text.assemble(head, woke, no_wrap=True, end="")
 
 

@@ -156,8 +156,8 @@ class WakerTree(Tree[WakerNode]):
     """
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("k", "cursor_up", "Up", show=False, id="wakers.up"),
-        Binding("j", "cursor_down", "Down", show=False, id="wakers.down"),
+        Binding("k", "cursor_up", "Up", show=False),
+        Binding("j", "cursor_down", "Down", show=False),
         Binding("g", "jump", "Go to waker", id="wakers.jump",
                 tooltip="Waker tree: select the waking task in the task table and open "
                         "its callchains"),
