@@ -41,8 +41,8 @@ def help_sections(app_bindings: Sequence[BindingType]) -> list[HelpSection]:
         ("Callchain tree", "Enter/space expand or collapse; Esc goes back",
          CallchainTree.BINDINGS),
         ("Who woke it", "under the callchain tree (Tab): who woke the blocks below its "
-                        "cursor, each waker's stack innermost first; a stack's wakers: "
-                        "Enter on it in the stacks table, then read under the tree",
+                        "cursor, each waker's stack innermost first (Enter on a stack in "
+                        "the stacks table: that stack's)",
          WakerTree.BINDINGS),
         # The graph's own +/- zoom keys are left out: in offtop they move the
         # threshold everywhere (one meaning per key).

@@ -159,8 +159,7 @@ class WakerTree(Tree[WakerNode]):
         Binding("k", "cursor_up", "Up", show=False),
         Binding("j", "cursor_down", "Down", show=False),
         Binding("g", "jump", "Go to waker", id="wakers.jump",
-                tooltip="Waker tree: select the waking task in the task table and open "
-                        "its callchains"),
+                tooltip="Go to the waking task: its row in the task table, its callchains"),
     ]
 
     #: Wakers listed at most; the rest are summed on one line.
