@@ -5,10 +5,10 @@ Its scope is the task (or process) under the task table's cursor, all tasks
 (a task blocked now, a long block). Its view is a ranked table of stacks, a
 callchain tree with who woke those blocks under it (`WakerTree`: the wakers
 of the stacks below the tree's cursor, of the last interval), or a flame
-graph of the same scope. On top of the snapshot
-it can merge identical stacks (across a process's threads, or across
-processes with one command), hide idle waits, and sum stacks since offtop
-started instead of showing the last interval.
+graph of the same scope. On top of the snapshot it can merge identical
+stacks (across a process's threads, or across processes with one command),
+hide idle waits, and sum stacks since offtop started instead of showing the
+last interval.
 
 The pane keeps what it needs to stay put while the data moves: the last
 stacks of an idle task (shown as "last seen"), the callchain tree's owner,
@@ -43,7 +43,7 @@ from offtop.model import (
     merge_identical,
 )
 from offtop.units import format_ns
-from offtop.widgets.callchain_tree import CallchainTree, Path, stack_path
+from offtop.widgets.callchain_tree import CallchainTree, Path, passes_through, stack_path
 from offtop.widgets.flame_graph import FlameGraph, FlameTree, GroupBy
 from offtop.widgets.render import frame_text, set_titles
 from offtop.widgets.scopes import ALL, Scope, ScopeStacks
@@ -373,10 +373,9 @@ class StacksPane(ContentSwitcher):
         stacks = self._waker_stacks
         title = self._scope_title(self.opened)
         if call is not None and call.frame is not None:
-            n, path = len(call.path), call.path
             kernel, user = self.show_kernel, self.show_user
             stacks = [s for s in stacks
-                      if stack_path(s, show_kernel=kernel, show_user=user)[:n] == path]
+                      if passes_through(s, call.path, show_kernel=kernel, show_user=user)]
             title.append(" below ", style="dim")
             title.append_text(frame_text(call.frame))
         if self.cumulative:

@@ -31,7 +31,7 @@ from textual.widgets.tree import TreeNode
 
 from offtop.model import Frame, StackRow, Waker
 from offtop.units import format_ns
-from offtop.widgets.render import chain_summary, frame_text, waker_label
+from offtop.widgets.render import chain_summary, frame_text, set_titles, waker_label
 
 #: A waker's identity: its kind, pid, tid and comm (its stacks told apart below it).
 WakerId = tuple[str, int, int, str]
@@ -87,8 +87,9 @@ def waker_id(waker: Waker) -> WakerId:
 
 def sum_wakers(stacks: Iterable[StackRow]) -> WakerSummary:
     """The wakers of `stacks` summed by who they are, most off-CPU time first."""
-    by_id: dict[WakerId, dict[WakerStack, list[int]]] = {}
-    first: dict[WakerId, Waker] = {}
+    # Summed by `Waker` first (its hash is kept: no stack is hashed again
+    # here), then grouped by who it is.
+    by_waker: dict[Waker, list[int]] = {}
     total = unseen = unseen_count = 0
     for s in stacks:
         total += s.offcpu_ns
@@ -96,31 +97,24 @@ def sum_wakers(stacks: Iterable[StackRow]) -> WakerSummary:
         for w in s.wakers:
             rest -= w.offcpu_ns
             rest_count -= w.count
-            ident = waker_id(w.waker)
-            per_stack = by_id.get(ident)
-            if per_stack is None:
-                per_stack = by_id[ident] = {}
-                first[ident] = w.waker
-            key = (w.waker.kernel, w.waker.user)
-            acc = per_stack.get(key)
+            acc = by_waker.get(w.waker)
             if acc is None:
-                per_stack[key] = [w.offcpu_ns, w.count]
+                by_waker[w.waker] = [w.offcpu_ns, w.count]
             else:
                 acc[0] += w.offcpu_ns
                 acc[1] += w.count
         if rest > 0:
             unseen += rest
             unseen_count += max(0, rest_count)
+    by_id: dict[WakerId, list[tuple[Waker, int, int]]] = {}
+    for waker, (ns, n) in by_waker.items():
+        by_id.setdefault(waker_id(waker), []).append((waker, ns, n))
     out = []
-    for ident, per_stack in by_id.items():
-        ranked = sorted((WakerStackTotal(k, ns, n) for k, (ns, n) in per_stack.items()),
-                        key=lambda t: (-t.ns, -t.count))
-        waker = first[ident]
-        top = ranked[0].stack
-        if (waker.kernel, waker.user) != top:
-            waker = Waker(waker.pid, waker.tid, waker.comm, waker.kind, *top)
-        out.append(WakerTotal(waker, sum(t.ns for t in ranked), sum(t.count for t in ranked),
-                              tuple(ranked)))
+    for parts in by_id.values():
+        parts.sort(key=lambda p: (-p[1], -p[2]))
+        ranked = tuple(WakerStackTotal((w.kernel, w.user), ns, n) for w, ns, n in parts)
+        out.append(WakerTotal(parts[0][0], sum(t.ns for t in ranked),
+                              sum(t.count for t in ranked), ranked))
     out.sort(key=lambda t: (-t.ns, t.waker.kind != "task", t.waker.tid, t.waker.comm))
     return WakerSummary(tuple(out), total, unseen, unseen_count)
 
@@ -201,7 +195,7 @@ class WakerTree(Tree[WakerNode]):
         summary = sum_wakers(stacks)
         self.summary = summary
         self.set_class(not summary.wakers, "-empty")
-        self.border_title = self._title(title, summary)
+        set_titles(self, self._title(title, summary))  # only if changed: no repaint
         items = self._items(summary)
         shape = [path for path, _, _, _ in items]
         new_owner = owner != self.owner
