@@ -26,7 +26,7 @@ from offtop.model import (
     StackRow,
     Waker,
 )
-from offtop.widgets.callchain_tree import CallchainTree, stack_path
+from offtop.widgets.callchain_tree import CallchainTree, passes_through, stack_path
 from offtop.widgets.help_screen import HelpScreen
 from offtop.widgets.long_blocks_log import LongBlocksLog, long_block_line
 from offtop.widgets.scopes import Scope
@@ -150,6 +150,21 @@ def test_sum_wakers_ranks_who_ended_the_time_and_counts_what_was_not_seen() -> N
     assert (summary.unseen_ns, summary.unseen_count) == (10 * MS, 1)
     empty = sum_wakers([StackRow(1, 1, "x", "S", 5, 1, 5, (), ())])
     assert empty.wakers == () and empty.unseen_ns == 5
+
+
+def test_passes_through_agrees_with_the_stacks_tree_paths() -> None:
+    stacks = [s for s in SNAP.stacks if s.tid == READER]
+    for s in stacks:
+        for kernel, user in ((True, True), (True, False), (False, True)):
+            path = stack_path(s, show_kernel=kernel, show_user=user)
+            for other in stacks:
+                mine = stack_path(other, show_kernel=kernel, show_user=user)
+                for n in range(len(path) + 1):
+                    assert passes_through(other, path[:n], show_kernel=kernel,
+                                          show_user=user) == (mine[:n] == path[:n])
+            # A path longer than the stack is not passed through.
+            assert not passes_through(s, (*path, "k:deeper"), show_kernel=kernel,
+                                      show_user=user)
 
 
 # --- the waker tree ----------------------------------------------------------------
