@@ -39,7 +39,7 @@ from textual.screen import Screen
 from textual.widgets import Input, Static
 
 from offtop.app_keys import APP_BINDINGS, PALETTE, REPLAY_BINDINGS, THRESHOLD_PRESETS_NS
-from offtop.model import Snapshot, SnapshotIndex
+from offtop.model import RowKey, Snapshot, SnapshotIndex
 from offtop.pump import (
     ExitSignals,
     SnapshotPump,
@@ -49,7 +49,7 @@ from offtop.pump import (
     SourceStarted,
     failure_text,
 )
-from offtop.safe_text import printable_lines
+from offtop.safe_text import printable, printable_lines
 from offtop.source import BlockedWaits, SnapshotSource, SourceInfo
 from offtop.units import format_ns
 from offtop.widgets.arrivals import Taken
@@ -66,6 +66,7 @@ from offtop.widgets.stacks_pane import StacksPane
 from offtop.widgets.task_table import COLUMN_TITLES, SORT_CYCLE, TaskTable
 from offtop.widgets.threshold_pane import ThresholdPane
 from offtop.widgets.threshold_slider import step_down, step_up
+from offtop.widgets.waker_tree import WakerTree
 
 
 class OfftopApp(App[int]):
@@ -299,6 +300,19 @@ class OfftopApp(App[int]):
     @on(LongBlocksLog.Chosen)
     def _long_block_chosen(self, event: LongBlocksLog.Chosen) -> None:
         self.query_one(StacksPane).open(Scope.of_block(event.block))
+
+    @on(WakerTree.JumpTo)
+    def _jump_to_waker(self, event: WakerTree.JumpTo) -> None:
+        # Its row in the task table, and its callchains; a waker that spent no
+        # time off the CPU (or is filtered out) has no row: said, not hidden.
+        key = RowKey.process(event.pid) if self.processes else RowKey.thread(event.tid)
+        if not self.query_one(TaskTable).move_to_key(key):
+            who = f"{printable(event.waker.comm)} {event.pid}/{event.tid}"
+            self.notify(f"{who} is not in the task table (no off-CPU time shown)",
+                        title="go to waker", markup=False)
+            if not self.index.stacks_of(key):
+                return
+        self.query_one(StacksPane).open(Scope.task(key))
 
     @on(StacksPane.ViewChanged)
     def _view_changed(self, event: StacksPane.ViewChanged) -> None:

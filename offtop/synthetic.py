@@ -9,6 +9,15 @@ errors, offtop's own cost, and a notice. Everything is derived from a
 seeded `random.Random`, and times are fixed, so the same arguments always
 give the same snapshots: snapshot tests depend on it.
 
+With `wakers`, every block says who ended it, as a capture with wakers
+does: the timer interrupt for sleeps, a sibling thread for futexes and page
+faults, a task of another process for pipes, network softirqs for sockets
+and polls, a device interrupt for reads from disk and a kernel thread (one
+offtop never lists: it spends no time off the CPU here) for fsync; a tenth
+of the pipe waits' time has no waker seen. The wakers take no draw from the
+seeded generator: with or without them the same arguments give the same
+times (a stack's time split between its wakers).
+
 Stacks follow the model's conventions: `kernel[0]` and `user[0]` are the
 innermost frames (where the task stopped), the last entries the outermost.
 """
@@ -26,6 +35,7 @@ from offtop.model import (
     LongBlock,
     Sample,
     Snapshot,
+    Waker,
 )
 
 #: Kernel callchains (innermost first) and the state a task waits in there.
@@ -159,6 +169,59 @@ def _build_tasks(rng: random.Random, tasks: int, stacks: int) -> list[_Task]:
     return out
 
 
+def _kernel_waker(kind: str, comm: str, names: tuple[str, ...]) -> Waker:
+    return Waker(0, 0, comm, kind, _kernel_frames(names))
+
+
+_TIMER = _kernel_waker("timer", "", ("hrtimer_wakeup", "__hrtimer_run_queues",
+                                     "hrtimer_interrupt", "__sysvec_apic_timer_interrupt",
+                                     "sysvec_apic_timer_interrupt"))
+_NET_RX = _kernel_waker("softirq", "NET_RX", (
+    "sock_def_readable", "tcp_data_queue", "tcp_rcv_established", "tcp_v4_do_rcv",
+    "ip_local_deliver_finish", "__netif_receive_skb_one_core", "net_rx_action",
+    "__do_softirq"))
+_DISK = _kernel_waker("irq", "", ("folio_end_read", "blk_update_request", "blk_mq_end_request",
+                                  "nvme_irq", "__handle_irq_event_percpu", "handle_irq_event"))
+_JBD2 = Waker(412, 412, "jbd2/sda1-8", "task", _kernel_frames((
+    "__wake_up_common", "__wake_up", "jbd2_journal_commit_transaction", "kjournald2",
+    "kthread", "ret_from_fork")))
+
+#: The kernel frames a task wakes another from, for each chain of `_KERNEL_CHAINS`
+#: that a task (not an interrupt) ends.
+_WAKE_FRAMES = {
+    1: ("wake_up_q", "futex_wake", "do_futex", "__x64_sys_futex", "do_syscall_64"),
+    2: ("__wake_up_common", "__wake_up_sync_key", "pipe_write", "vfs_write", "ksys_write",
+        "do_syscall_64"),
+    7: ("rwsem_wake", "up_read", "do_user_addr_fault", "exc_page_fault"),
+}
+
+
+def _task_waker(task: _Task, chain: int) -> Waker:
+    user = (Frame("write" if chain == 2 else "__lll_unlock_wake", "libc.so.6"),
+            *(task.stacks[0].user[1:] if task.stacks else ()))
+    return Waker(task.pid, task.tid, task.comm, "task", _kernel_frames(_WAKE_FRAMES[chain]),
+                 user)
+
+
+def _wakers_of(model: list[_Task], i: int, chain: int) -> tuple[tuple[Waker | None, int], ...]:
+    """Who ends the blocks of `model[i]` in `chain`, each with its tenths of the time."""
+    task = model[i]
+    if chain in (1, 7):  # a sibling thread, else the one before in the list
+        sibling = next((t for t in model if t.pid == task.pid and t.tid != task.tid),
+                       model[i - 1])
+        return ((_task_waker(sibling, chain), 8), (_TIMER, 2))
+    if chain == 2:  # a task of another process; a tenth not seen
+        other = next(t for t in model[i + 1:] + model[:i] if t.pid != task.pid)
+        return ((_task_waker(other, chain), 9), (None, 1))
+    if chain in (3, 6):
+        return ((_NET_RX, 7), (_TIMER, 3))
+    if chain == 4:
+        return ((_DISK, 10),)
+    if chain == 5:
+        return ((_JBD2, 10),)
+    return ((_TIMER, 10),)
+
+
 def synthetic_snapshots(
     n: int,
     *,
@@ -168,6 +231,7 @@ def synthetic_snapshots(
     start_time: float = 1_700_000_000.0,
     interval_s: float = 1.0,
     threshold_ns: int = 100_000_000,
+    wakers: bool = False,
 ) -> list[Snapshot]:
     """`n` consecutive snapshots of a plausible busy machine, fully deterministic.
 
@@ -175,9 +239,21 @@ def synthetic_snapshots(
     from one snapshot to the next (so re-sorting can be seen), a few blocks per
     interval exceed `threshold_ns` and show up as long blocks, and a handful of
     tasks are blocked right now, their waits growing from snapshot to snapshot.
+    With `wakers`, each block says who ended it (see module docstring).
     """
     rng = random.Random(seed)
     model = _build_tasks(rng, tasks, stacks)
+    # Which of `_KERNEL_CHAINS` each stack blocks in (its wakers depend on it).
+    chain_of = {_kernel_frames(names): c for c, (_, names) in enumerate(_KERNEL_CHAINS)}
+    place = {id(t): i for i, t in enumerate(model)}
+    known: dict[tuple[int, int], tuple[tuple[Waker | None, int], ...]] = {}
+
+    def who_wakes(task: _Task, stack: _Stack) -> tuple[tuple[Waker | None, int], ...]:
+        key = (place[id(task)], chain_of[stack.kernel])
+        found = known.get(key)
+        if found is None:
+            found = known[key] = _wakers_of(model, *key)
+        return found
     agg = Aggregator(max_stacks=max(20_000, stacks))
     # Tasks blocked right now, with the stack they are blocked in: D waits first.
     stuck: list[tuple[_Task, _Stack]] = []
@@ -209,11 +285,25 @@ def synthetic_snapshots(
                     continue
                 count = max(1, int(ns / rng.choice((50_000, 400_000, 2_000_000, 20_000_000))))
                 max_ns = min(ns, int(ns / count * (1.0 + 3.0 * rng.random())))
-                samples.append(
-                    Sample(pid=task.pid, tid=task.tid, comm=task.comm, state=s.state,
-                           offcpu_ns=ns, count=count, max_ns=max(max_ns, 1),
-                           kernel=s.kernel, user=s.user)
-                )
+                sample = Sample(pid=task.pid, tid=task.tid, comm=task.comm, state=s.state,
+                                offcpu_ns=ns, count=count, max_ns=max(max_ns, 1),
+                                kernel=s.kernel, user=s.user)
+                if not wakers:
+                    samples.append(sample)
+                    continue
+                parts = who_wakes(task, s)
+                if count < len(parts):  # one block: one waker
+                    parts = ((parts[0][0], 10),)
+                left_ns, left_count = ns, count
+                for j, (waker, tenths) in enumerate(parts):
+                    last = j == len(parts) - 1
+                    part_ns = left_ns if last else ns * tenths // 10
+                    part_count = left_count if last else max(1, count * tenths // 10)
+                    left_ns, left_count = left_ns - part_ns, left_count - part_count
+                    if part_ns > 0:
+                        samples.append(Sample(task.pid, task.tid, task.comm, s.state, part_ns,
+                                              part_count, min(sample.max_ns, part_ns),
+                                              s.kernel, s.user, waker=waker))
         for k in range(1 + rng.randrange(3)):
             task = model[rng.randrange(len(model))]
             if not task.stacks:
@@ -224,7 +314,8 @@ def synthetic_snapshots(
                 LongBlock(time=now - interval_s + (k + 1) * interval_s / 4, pid=task.pid,
                           tid=task.tid, comm=task.comm, state=s.state, duration_ns=dur,
                           kernel=s.kernel, user=s.user, cgroup_id=4242,
-                          before_start=i == 0 and k == 0)
+                          before_start=i == 0 and k == 0,
+                          waker=who_wakes(task, s)[0][0] if wakers else None)
             )
         blocked = [
             BlockedNow(pid=t.pid, tid=t.tid, comm=t.comm, state=s.state,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import ClassVar
 
 from rich.text import Text
@@ -68,6 +69,23 @@ def stack_path(stack: StackRow, *, show_kernel: bool = True, show_user: bool = T
         for f in outer_to_inner(stack.kernel, stack.user, show_kernel=show_kernel,
                                 show_user=show_user)
     )
+
+
+def passes_through(stack: StackRow, path: Path, *, show_kernel: bool = True,
+                   show_user: bool = True) -> bool:
+    """True if `stack`'s tree path begins with `path` (the stack is below that node).
+
+    Compares frame by frame from the outermost, and stops at the first that
+    differs: most stacks of a scope part from a path within a few frames.
+    """
+    frames = chain(reversed(stack.user) if show_user else (),
+                   reversed(stack.kernel) if show_kernel else ())
+    steps = iter(path)
+    # Frames first: when they run out, no step is taken from the path unseen.
+    for frame, step in zip(frames, steps, strict=False):
+        if _step(frame) != step:
+            return False
+    return next(steps, None) is None  # a path longer than the stack is not passed through
 
 
 class CallchainTree(Tree[CallNode]):

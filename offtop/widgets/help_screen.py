@@ -29,6 +29,7 @@ def help_sections(app_bindings: Sequence[BindingType]) -> list[HelpSection]:
     from offtop.widgets.stack_table import StackTable
     from offtop.widgets.task_table import TaskTable
     from offtop.widgets.threshold_slider import ThresholdSlider
+    from offtop.widgets.waker_tree import WakerTree
 
     # A replay's keys (ids `replay.*`, given only in a replay) get their own section.
     replay = [b for b in app_bindings
@@ -45,6 +46,10 @@ def help_sections(app_bindings: Sequence[BindingType]) -> list[HelpSection]:
           *BlockedNowTable.BINDINGS]),
         ("Callchain tree", "Enter/space expand or collapse; Esc goes back",
          CallchainTree.BINDINGS),
+        ("Who woke it", "under the callchain tree (Tab): who woke the blocks below its "
+                        "cursor, each waker's stack innermost first (Enter on a stack in "
+                        "the stacks table: that stack's)",
+         WakerTree.BINDINGS),
         # The graph's own +/- zoom keys are left out: in offtop they move the
         # threshold everywhere (one meaning per key).
         ("Flame graph", "←↑↓→ move; the filter (/) highlights frames",

@@ -7,6 +7,11 @@ events kept the app busy for seconds). It keeps the newest `MAX_LINES`
 blocks and counts every block that arrived, listed or not, and the events
 the kernel's ring lost ("N seen").
 
+Each line names who woke the block (`← wl-writer 1234/1235`, `← [timer
+interrupt]`) after the task: at a width that cannot hold that much, the
+callchain goes, with the waker's ids and the clock's milliseconds, and the
+waker's name is cut short with an ellipsis if it must.
+
 It follows the newest block until the user moves up (keys, wheel, click);
 End follows again. Enter (or a second click) on a block posts `Chosen`, and
 the app opens that block's stack.
@@ -38,24 +43,46 @@ from offtop.widgets.render import (
     severity_style,
     state_text,
     task_label,
+    waker_label,
 )
 
 
-def long_block_line(block: LongBlock, *, show_kernel: bool = True, show_user: bool = True) -> Text:
-    """`12:00:01.250 D 1.23s postgres 1052/1053  k io_schedule ← u pread64`.
+def long_block_line(block: LongBlock, *, show_kernel: bool = True, show_user: bool = True,
+                    width: int | None = None) -> Text:
+    """`12:00:01.250 D 1.23s postgres 1052/1053 ← kworker/2:1 88/88  k io_schedule ← u pread64`.
 
-    A block that began before offtop started has an estimated length, marked `~`.
+    A block that began before offtop started has an estimated length, marked
+    `~`. Within `width` cells the waker stays in view (see module docstring).
     """
+    chain = chain_summary(block.kernel, block.user, show_kernel=show_kernel,
+                          show_user=show_user, max_kernel=1, max_user=2)
+    head = _head(block, millis=True)
+    if block.waker is None:
+        return Text.assemble(head, "  ", chain, no_wrap=True, end="")
+    woke = Text.assemble((WOKEN_BY, "dim"), waker_label(block.waker))
+    if width is None or head.cell_len + woke.cell_len <= width:
+        return Text.assemble(head, woke, "  ", chain, no_wrap=True, end="")
+    # Too narrow: no callchain, no waker ids, no milliseconds (on every such
+    # line, so the columns stay put), and the waker's name cut short.
+    head = _head(block, millis=False)
+    woke = Text.assemble((WOKEN_BY, "dim"), waker_label(block.waker, ids=False))
+    woke.truncate(max(0, width - head.cell_len), overflow="ellipsis")
+    return Text.assemble(head, woke, no_wrap=True, end="")
+
+
+#: Between a blocked task and the waker that ended its block.
+WOKEN_BY = " ← "
+
+
+def _head(block: LongBlock, *, millis: bool) -> Text:
+    """`12:00:01.250 D  1.23s postgres 1052/1053`: when, state, how long, who."""
     t = Text(no_wrap=True, end="")
-    t.append(clock_time(block.time, millis=True), style="dim")
+    t.append(clock_time(block.time, millis=millis), style="dim")
     t.append(" ")
     t.append_text(state_text(block.state))
     duration = ("~" if block.before_start else "") + format_ns(block.duration_ns)
     t.append(f" {duration:>6} ", style=severity_style(block.duration_ns))
     t.append_text(task_label(printable(block.comm), block.pid, block.tid))
-    t.append("  ")
-    t.append_text(chain_summary(block.kernel, block.user, show_kernel=show_kernel,
-                                show_user=show_user, max_kernel=1, max_user=2))
     return t
 
 
@@ -282,8 +309,9 @@ class LongBlocksLog(Widget, can_focus=True):
 
     # --- drawing --------------------------------------------------------------
 
-    def _line_text(self, block: LongBlock) -> Text:
-        return long_block_line(block, show_kernel=self.show_kernel, show_user=self.show_user)
+    def _line_text(self, block: LongBlock, width: int | None = None) -> Text:
+        return long_block_line(block, show_kernel=self.show_kernel, show_user=self.show_user,
+                               width=width)
 
     def render_line(self, y: int) -> Strip:
         """Line `y`: the block at that place in view, from a cached strip."""
@@ -298,7 +326,7 @@ class LongBlocksLog(Widget, can_focus=True):
         strip = self._strips.get(key)
         if strip is None:
             block = self._blocks[number - self._first]
-            segments = self._line_text(block).render(self.app.console)
+            segments = self._line_text(block, width).render(self.app.console)
             strip = Strip(Segment.apply_style(segments, style), None).crop_extend(
                 0, width, style if cursor else base)
             self._strips.set(key, strip)

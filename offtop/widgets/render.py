@@ -19,7 +19,7 @@ from rich.text import Text
 from textual.content import Content
 from textual.widget import Widget
 
-from offtop.model import SCHEDULER_FRAMES, Frame
+from offtop.model import SCHEDULER_FRAMES, Frame, Waker
 from offtop.safe_text import printable
 
 #: Kernel frames are warm, user frames cool, Python frames green: told apart
@@ -218,6 +218,19 @@ def task_label(comm: str, pid: int, tid: int | None = None) -> Text:
     t = untrusted_text(comm, "bold")
     t.append(f" {pid}" if tid is None or tid == pid else f" {pid}/{tid}", style="dim")
     return t
+
+
+#: How interrupt wakers read: not a task, so not bold like a comm.
+INTERRUPT_STYLE = "italic #e0c050"
+
+
+def waker_label(waker: Waker, *, ids: bool = True) -> Text:
+    """A waker: `comm pid/tid` (literal, escaped; without ids `comm`), or what
+    interrupted (`[timer interrupt]`, `[softirq NET_RX]`)."""
+    if waker.kind != "task":
+        return untrusted_text(waker.label, INTERRUPT_STYLE)
+    return task_label(waker.comm, waker.pid, waker.tid) if ids \
+        else untrusted_text(waker.comm, "bold")
 
 
 def set_titles(widget: Widget, title: str | Text, subtitle: str | Text = "") -> None:

@@ -24,6 +24,7 @@ from offtop.model import (
     SnapshotIndex,
     StackRow,
     TaskRow,
+    WakerRow,
 )
 from offtop.widgets.render import clock_time, task_label, untrusted_text
 
@@ -63,9 +64,13 @@ class Scope:
     def of_block(cls, block: BlockedNow | LongBlock) -> Scope:
         """A block on its own: a task blocked now (so far), or a long block."""
         ns = block.blocked_ns if isinstance(block, BlockedNow) else block.duration_ns
+        # A long block carries its waker (the waker tree names it); a task
+        # blocked now has none yet.
+        waker = block.waker if isinstance(block, LongBlock) else None
         row = StackRow(pid=block.pid, tid=block.tid, comm=block.comm, state=block.state,
                        offcpu_ns=ns, count=1, max_ns=ns, kernel=block.kernel, user=block.user,
-                       before_start=block.before_start)
+                       before_start=block.before_start,
+                       wakers=(WakerRow(waker, ns, 1),) if waker is not None else ())
         label = ("blocked now" if isinstance(block, BlockedNow)
                  else f"long block that ended at {clock_time(block.time, millis=True)}")
         return cls("block", block=row, label=label)

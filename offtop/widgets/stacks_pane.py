@@ -3,10 +3,12 @@
 Its scope is the task (or process) under the task table's cursor, all tasks
 (`all_tasks`), every process of one command, or one block opened on its own
 (a task blocked now, a long block). Its view is a ranked table of stacks, a
-callchain tree, or a flame graph of the same scope. On top of the snapshot
-it can merge identical stacks (across a process's threads, or across
-processes with one command), hide idle waits, and sum stacks since offtop
-started instead of showing the last interval.
+callchain tree with who woke those blocks under it (`WakerTree`: the wakers
+of the stacks below the tree's cursor, of the last interval), or a flame
+graph of the same scope. On top of the snapshot it can merge identical
+stacks (across a process's threads, or across processes with one command),
+hide idle waits, and sum stacks since offtop started instead of showing the
+last interval.
 
 The pane keeps what it needs to stay put while the data moves: the last
 stacks of an idle task (shown as "last seen"), the callchain tree's owner,
@@ -26,6 +28,7 @@ from typing import ClassVar, Literal
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
+from textual.containers import Vertical
 from textual.message import Message
 from textual.reactive import reactive
 from textual.widgets import ContentSwitcher
@@ -40,11 +43,12 @@ from offtop.model import (
     merge_identical,
 )
 from offtop.units import format_ns
-from offtop.widgets.callchain_tree import CallchainTree, Path, stack_path
+from offtop.widgets.callchain_tree import CallchainTree, Path, passes_through, stack_path
 from offtop.widgets.flame_graph import FlameGraph, FlameTree, GroupBy
-from offtop.widgets.render import set_titles
+from offtop.widgets.render import frame_text, set_titles
 from offtop.widgets.scopes import ALL, Scope, ScopeStacks
 from offtop.widgets.stack_table import StackKey, StackTable
+from offtop.widgets.waker_tree import WakerTree
 
 View = Literal["stacks", "tree", "flame"]
 """What the pane draws: the stacks table, the callchain tree or the flame graph."""
@@ -139,10 +143,15 @@ class StacksPane(ContentSwitcher):
         self._since_for: tuple[Scope, int | None] | None = None
         self._flame_inputs: tuple[Hashable, ...] = ()
         self._flame_due = 0.0
+        #: The tree's owner and the stacks whose wakers the waker tree sums.
+        self._waker_owner: object = None
+        self._waker_stacks: list[StackRow] = []
 
     def compose(self) -> ComposeResult:
         yield StackTable(id="stacks")
-        yield CallchainTree(id="tree")
+        with Vertical(id="tree"):
+            yield CallchainTree(id="callchain")
+            yield WakerTree(id="wakers")
         yield FlameGraph(id="flame")
 
     # --- what the app asks --------------------------------------------------
@@ -349,8 +358,34 @@ class StacksPane(ContentSwitcher):
         title.append_text(self._scope_title(scope))
         sub = Text("outermost frame first", end="")
         sub.append_text(self._mode_text())
-        sub.append(" · K/U: kernel/user frames · Esc: back")
+        # Wakers are not summed since start: the last interval's are shown.
+        self._waker_owner = owner
+        self._waker_stacks = (self.scopes.stacks(scope, self.index, hide_idle=self.hide_idle)[0]
+                              if self.cumulative else stacks)
+        woken = any(s.wakers for s in self._waker_stacks)
+        sub.append(" · K/U: kernel/user frames" + (" · Tab: wakers" if woken else "")
+                   + " · Esc: back")
         self._set_titles(title, sub)
+        self._refresh_wakers()
+
+    @on(CallchainTree.NodeHighlighted, "#callchain")
+    def _refresh_wakers(self) -> None:
+        """Who woke the blocks below the callchain tree's cursor (all at its root)."""
+        if self.view != "tree":
+            return
+        node = self.query_one(CallchainTree).cursor_node
+        call = node.data if node is not None else None
+        stacks = self._waker_stacks
+        title = self._scope_title(self.opened)
+        if call is not None and call.frame is not None:
+            kernel, user = self.show_kernel, self.show_user
+            stacks = [s for s in stacks
+                      if passes_through(s, call.path, show_kernel=kernel, show_user=user)]
+            title.append(" below ", style="dim")
+            title.append_text(frame_text(call.frame))
+        if self.cumulative:
+            title.append(" (last interval)", style="dim")
+        self.query_one(WakerTree).show(self._waker_owner, title, stacks)
 
     def _refresh_flame(self) -> None:
         scope = self.opened
