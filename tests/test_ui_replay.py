@@ -319,6 +319,7 @@ async def test_the_help_lists_the_replay_keys_in_a_replay() -> None:
         screen = app.screen
         assert isinstance(screen, HelpScreen)
         lines = dict(screen.lines)
+        # (g is also the waker tree's "go to the waking task", when it has the focus.)
         for keys, desc in ((",", "One interval back (and pause)"),
                            (".", "One interval forward (and pause)"),
                            ("<", "Ten intervals back (and pause)"),
@@ -328,7 +329,7 @@ async def test_the_help_lists_the_replay_keys_in_a_replay() -> None:
                            ("[", "Play at half the speed (down to 1/16x)"),
                            ("]", "Play at twice the speed (up to 64x)"),
                            ("p / space", "Pause / play the replay")):
-            assert lines.get(keys) == desc, (keys, lines.get(keys))
+            assert (keys, desc) in screen.lines, (keys, lines.get(keys))
         assert not any(d.startswith("Pause / resume the display") for d in lines.values())
 
 
