@@ -682,8 +682,6 @@ def _prog_ids(pid: int) -> set[int]:
         "SIGCONT-then-terminal-closed-under-flood"])
 def test_tui_exits_fast_and_restores_the_terminal(bpf_available: None, workloads: Any,
                                                   how: str, flood: bool) -> None:
-    if not (ROOT / "offtop" / "app.py").exists():
-        pytest.skip("the TUI (offtop/app.py) is not there yet")
     if shutil.which("tmux") is None:
         pytest.fail("tmux is missing: `make test` installs it")
     w = workloads("sleep", "20")
@@ -757,8 +755,6 @@ def test_tui_exits_fast_and_restores_the_terminal(bpf_available: None, workloads
 @pytest.mark.bpf
 def test_tui_keeps_refreshing_under_flood(bpf_available: None, workloads: Any) -> None:
     """Threshold 0, ~100k switches/s, default interval: the header's #N moves on time."""
-    if not (ROOT / "offtop" / "app.py").exists():
-        pytest.skip("the TUI (offtop/app.py) is not there yet")
     for _ in range(2):
         workloads("pingrate", "100000000")
     tmux = Tmux()
@@ -984,8 +980,6 @@ def test_signal_while_many_new_stacks_arrive_exits_at_once(bpf_available: None,
 @pytest.mark.bpf
 def test_tui_survives_tiny_and_changing_terminals(bpf_available: None, workloads: Any) -> None:
     """Shrink the terminal far below 80x24 and back while offtop runs: no crash, clean exit."""
-    if not (ROOT / "offtop" / "app.py").exists():
-        pytest.skip("the TUI (offtop/app.py) is not there yet")
     w = workloads("sleep", "20")
     tmux = Tmux()
     offtop = 0
