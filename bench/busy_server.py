@@ -416,7 +416,15 @@ class TopBatch:
         self.proc.wait(10)
 
 
-def start_tool(name: str, code: Code, cpus: str | None) -> Tool:
+#: A tool run from the --against ref's code, alternated with the working tree's in the same rounds.
+REF_SUFFIX = "@ref"
+
+
+def start_tool(name: str, code: Code, cpus: str | None, against: Code | None = None) -> Tool:
+    if name.endswith(REF_SUFFIX):
+        if against is None:
+            raise BenchError(f"{name}: no --against ref")
+        name, code = name.removesuffix(REF_SUFFIX), against
     if name == "batch":
         return OfftopBatch(code, cpus)
     if name == "tui":
@@ -585,11 +593,14 @@ class Plan:
     tool_cpus: str | None
     wait_foreign: float
     start_timeout: float
+    #: --against: offtop batch/TUI also from this ref's code, in the same rounds.
+    against: Code | None = None
 
     def where(self) -> str:
         load = f"CPUs {self.load_cpus}" if self.load_cpus else "any CPU"
         tool = f"CPUs {self.tool_cpus}" if self.tool_cpus else "any CPU"
-        return f"the load on {load}, each tool on {tool}; offtop: {self.code.version}"
+        ref = f" (and {self.against.version} as tool{REF_SUFFIX})" if self.against else ""
+        return f"the load on {load}, each tool on {tool}; offtop: {self.code.version}{ref}"
 
 
 def run_busy(plan: Plan) -> tuple[dict[str, Any], str]:
@@ -606,7 +617,7 @@ def run_busy(plan: Plan) -> tuple[dict[str, Any], str]:
         time.sleep(plan.settle)  # the pacing settles, the first workers start to exit
         for r, order in rotations(list(plan.tools), plan.runs):
             for name in order:
-                tool = start_tool(name, plan.code, plan.tool_cpus)
+                tool = start_tool(name, plan.code, plan.tool_cpus, plan.against)
                 try:
                     w = measure(tool, load, plan, f"{name}-{r + 1}")
                 except WindowFailed as e:
@@ -656,6 +667,13 @@ def _d(values: Sequence[float | None]) -> Dist:
     return Dist(tuple(v for v in values if v is not None))
 
 
+def tool_label(name: str) -> str:
+    """How a tool is named in the figures (a tool@ref: with the ref's offtop)."""
+    if name.endswith(REF_SUFFIX):
+        return f"{LABELS[name.removesuffix(REF_SUFFIX)]} {REF_SUFFIX}"
+    return LABELS[name]
+
+
 def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: list[dict[str, Any]],
               paths: Sequence[str]) -> tuple[dict[str, Any], str]:
     """The figures (for results.json) and the printout of a run."""
@@ -703,7 +721,8 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
     per: dict[str, dict[str, Dist]] = {}
     for n in tools:
         ws = ok[n]
-        entry: dict[str, Any] = {"label": LABELS[n], "windows": len(ws), "failed": len(windows[n]) - len(ws)}
+        entry: dict[str, Any] = {"label": tool_label(n), "windows": len(ws),
+                                 "failed": len(windows[n]) - len(ws)}
         if ws:
             d = {"cpu_pct": _d([w["cpu_pct"] for w in ws]), "rss_mb": _d([w["rss_mb"] for w in ws]),
                  "peak_rss_mb": _d([w["peak_rss_mb"] for w in ws]),
@@ -712,12 +731,12 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
             entry |= {k: v.json() for k, v in d.items()}
             blocks = _d([w["load"]["blocks_per_s"] for w in ws])
             first = d["first_data_s"].fmt(digits=1)
-            out.append(f"   {LABELS[n]:32} {d['cpu_pct'].fmt(digits=1):>22} {d['rss_mb'].fmt():>18} "
+            out.append(f"   {tool_label(n):32} {d['cpu_pct'].fmt(digits=1):>22} {d['rss_mb'].fmt():>18} "
                        f"{d['peak_rss_mb'].fmt():>18} {blocks.fmt():>26} {first:>20}")
         for w in windows[n]:
             if "failed" in w:
-                out.append(f"   {LABELS[n]:32} round {w['round'] + 1} FAILED: {w['failed']}")
-        if n == "batch" and ws:
+                out.append(f"   {tool_label(n):32} round {w['round'] + 1} FAILED: {w['failed']}")
+        if n in ("batch", f"batch{REF_SUFFIX}") and ws:
             entry |= {
                 "json_line_bytes": _d([s for w in ws for s in w["json_line_bytes"]]).json(),
                 "interval_s": _d([x for w in ws for x in w["interval_s"]]).json(),
@@ -731,17 +750,19 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
             entry["header"] = ws[-1].get("header", "")
         res["tools"][n] = entry
     ratios = []
-    for a, b in (("batch", "top"), ("batch", "htop"), ("tui", "top"), ("tui", "htop")):
+    for a, b in (("batch", "top"), ("batch", "htop"), ("tui", "top"), ("tui", "htop"),
+                 ("batch", f"batch{REF_SUFFIX}"), ("tui", f"tui{REF_SUFFIX}")):
         if a in ok and b in ok:
             theirs = {w["round"]: w["cpu_pct"] for w in ok[b]}
             rs = _d([ratio(w["cpu_pct"], theirs[w["round"]]) for w in ok[a] if w["round"] in theirs])
             if rs.values:
                 res["ratios"][f"{a}_vs_{b}"] = rs.json()
-                ratios.append(f"offtop {a} / {b} = {rs.fmt(digits=1)}{TIMES}")
+                theirs_name = f"offtop {b}" if b.endswith(REF_SUFFIX) else b
+                ratios.append(f"offtop {a} / {theirs_name} = {rs.fmt(digits=2)}{TIMES}")
     if ratios:
         out.append("   CPU, same round: " + "; ".join(ratios[:2]))
-        if ratios[2:]:
-            out.append("                    " + "; ".join(ratios[2:]))
+        for i in range(2, len(ratios), 2):
+            out.append("                    " + "; ".join(ratios[i:i + 2]))
     e = res["tools"].get("batch", {})
     if "json_line_bytes" in e:
         out += [f"   offtop batch: JSON line {_fmtd(e['json_line_bytes'], 1e3, 0)} kB, one every "
@@ -1003,6 +1024,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--native", action="store_true", help="--profile: native frames too (py-spy --native)")
     p.add_argument("--startup", action="store_true",
                    help="--profile: from the probe's attachment, not a warm-up after the first data")
+    p.add_argument("--against", metavar="GIT-REF",
+                   help="also run offtop batch/TUI from GIT-REF's code, alternated in the same rounds "
+                        "(CPU ratios per round; figures not written into the README)")
     p.add_argument("--ref", metavar="GIT-REF",
                    help="run offtop from the code of GIT-REF (unpacked under bench/out/), "
                         "not the working tree")
@@ -1028,9 +1052,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [t for t in tools if t not in TOOLS]
     if unknown:
         p.error(f"unknown tool {', '.join(unknown)}: choose from {', '.join(TOOLS)}")
+    if args.against:
+        if args.profile:
+            p.error("--against measures CPU side by side; profile each version apart (--ref)")
+        tools = [x for t in tools for x in ([t, f"{t}{REF_SUFFIX}"] if t in ("batch", "tui") else [t])]
     try:
         plan = Plan(spec, tuple(tools), runs, warmup, seconds, args.settle, Code.of(args.ref), args.load_cpus,
-                    args.tool_cpus, args.wait_foreign, args.start_timeout)
+                    args.tool_cpus, args.wait_foreign, args.start_timeout,
+                    Code.of(args.against) if args.against else None)
         if args.profile:
             res, text = run_profile(plan, args.rate_hz, args.top, args.native, args.startup)
             entry: dict[str, Any] = {"date": dt.date.today().isoformat(), "commit": plan.code.version,
@@ -1046,7 +1075,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text, end="")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1) + "\n")
-    if not args.no_readme:
+    if not args.no_readme and not args.against:
         save(key, entry, label)
     return 0
 

@@ -52,9 +52,12 @@ class Frame:
     # the hash is computed once, not at every use (2.7x faster for a
     # 20-frame stack).
     _hash: int = field(default=0, init=False, repr=False, compare=False)
+    # Asked of every frame of a stack, often: worked out once.
+    _unknown: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.name, self.module, self.kernel)))
+        object.__setattr__(self, "_unknown", _unresolved(self.name))
 
     def __hash__(self) -> int:
         return self._hash
@@ -68,11 +71,15 @@ class Frame:
         `module+0xOFFSET` (told by their form, so frames read back from JSON
         without their module are still known as unresolved).
         """
-        name = self.name
-        if name.startswith(("[", "0x")):
-            return True
-        module, plus, offset = name.rpartition("+0x")
-        return bool(plus and module and offset) and all(c in _HEX_DIGITS for c in offset)
+        return self._unknown
+
+
+def _unresolved(name: str) -> bool:
+    """`Frame.unknown` of a frame named `name`."""
+    if name.startswith(("[", "0x")):
+        return True
+    module, plus, offset = name.rpartition("+0x")
+    return bool(plus and module and offset) and all(c in _HEX_DIGITS for c in offset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,12 +413,49 @@ class _Acc:
             self.start = s.start
         self.offcpu_ns += s.offcpu_ns
         self.count += s.count
-        self.max_ns = max(self.max_ns, s.max_ns)
+        if s.max_ns > self.max_ns:
+            self.max_ns = s.max_ns
         self.state_ns[s.state] = self.state_ns.get(s.state, 0) + s.offcpu_ns
         if s.from_event:
             self.events += s.count
         if s.comm:
             self.comm = s.comm
+
+
+class _FrameTupleNumbers:
+    """Numbers for frame tuples, equal for equal frames (private to the model).
+
+    Found by the tuple's identity first (the engine hands out the same tuple
+    for the same stack interval after interval), by its frames only for a
+    tuple not seen before. The tuples are held, so an identity is not reused
+    while it is a key. Bounded: past `max_entries` all is forgotten at the
+    start of a build (never within one), and numbering goes on.
+    """
+
+    def __init__(self, max_entries: int = 32_768) -> None:
+        self._max = max_entries
+        self._by_id: dict[int, tuple[tuple[Frame, ...], int]] = {}
+        self._by_frames: dict[tuple[Frame, ...], int] = {}
+        self._next = 0
+
+    def start(self) -> Callable[[tuple[Frame, ...]], int]:
+        """Begin a build: the function that numbers its tuples."""
+        if len(self._by_id) > self._max or len(self._by_frames) > self._max:
+            self._by_id, self._by_frames = {}, {}
+        by_id, by_frames = self._by_id, self._by_frames
+
+        def number(frames: tuple[Frame, ...]) -> int:
+            hit = by_id.get(id(frames))
+            if hit is not None and hit[0] is frames:
+                return hit[1]
+            n = by_frames.get(frames)
+            if n is None:
+                n = by_frames[frames] = self._next
+                self._next += 1
+            by_id[id(frames)] = (frames, n)
+            return n
+
+        return number
 
 
 @dataclass(slots=True)
@@ -436,6 +480,7 @@ class Aggregator:
         self._forget_after = forget_after
         self._max_stacks = max_stacks
         self._max_threads = max_threads
+        self._chains = _FrameTupleNumbers()
 
     @property
     def max_threads(self) -> int:
@@ -470,21 +515,25 @@ class Aggregator:
         self._seq += 1
         seq = self._seq
         threads: dict[int, _Acc] = {}
-        stacks: dict[tuple[int, str, tuple[Frame, ...], tuple[Frame, ...]], list[int]] = {}
-        stack_meta: dict[tuple[int, str, tuple[Frame, ...], tuple[Frame, ...]], tuple[int, str]] = {}
-        wakers: dict[tuple[int, str, tuple[Frame, ...], tuple[Frame, ...]],
-                     dict[Waker, list[int]]] = {}
+        # Stacks are summed by (tid, state, chain numbers): numbers, not frame
+        # tuples, since hashing a tuple hashes every frame in it, every time.
+        stacks: dict[tuple[int, str, int, int], list[int]] = {}
+        stack_meta: dict[tuple[int, str, int, int],
+                         tuple[int, str, tuple[Frame, ...], tuple[Frame, ...]]] = {}
+        wakers: dict[tuple[int, str, int, int], dict[Waker, list[int]]] = {}
+        number = self._chains.start()
 
         for s in samples:
             acc = threads.get(s.tid)
             if acc is None:
                 acc = threads[s.tid] = _Acc(pid=s.pid, comm=s.comm)
             acc.add(s)
-            skey = (s.tid, s.state + ("<" if s.before_start else ""), s.kernel, s.user)
+            skey = (s.tid, s.state + ("<" if s.before_start else ""), number(s.kernel),
+                    number(s.user))
             cur = stacks.get(skey)
             if cur is None:
                 stacks[skey] = [s.offcpu_ns, s.count, s.max_ns]
-                stack_meta[skey] = (s.pid, s.comm)
+                stack_meta[skey] = (s.pid, s.comm, s.kernel, s.user)
             else:
                 cur[0] += s.offcpu_ns
                 cur[1] += s.count
@@ -532,19 +581,19 @@ class Aggregator:
         stack_rows = sorted(
             (
                 StackRow(
-                    pid=stack_meta[k][0],
+                    pid=m[0],
                     tid=k[0],
-                    comm=stack_meta[k][1],
+                    comm=m[1],
                     state=k[1].rstrip("<"),
                     before_start=k[1].endswith("<"),
                     offcpu_ns=v[0],
                     count=v[1],
                     max_ns=v[2],
-                    kernel=k[2],
-                    user=k[3],
+                    kernel=m[2],
+                    user=m[3],
                     wakers=_waker_rows(wakers.get(k)),
                 )
-                for k, v in stacks.items()
+                for k, v in stacks.items() for m in (stack_meta[k],)
             ),
             key=lambda r: (-r.offcpu_ns, r.tid, r.state),
         )
@@ -582,6 +631,9 @@ class Aggregator:
 def _waker_rows(by_waker: Mapping[Waker, list[int]] | None) -> tuple[WakerRow, ...]:
     if not by_waker:
         return ()
+    if len(by_waker) == 1:
+        for w, (ns, n) in by_waker.items():
+            return (WakerRow(w, ns, n),)
     rows = [WakerRow(w, ns, n) for w, (ns, n) in by_waker.items()]
     rows.sort(key=lambda r: (-r.offcpu_ns, r.waker.tid, r.waker.label))
     return tuple(rows)

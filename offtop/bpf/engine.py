@@ -71,7 +71,8 @@ _RawKey = tuple[int, int, int, int, int, int, int, int]
 
 @dataclass(slots=True)
 class _Row:
-    """One raw key's sums over an interval, and its stacks resolved at first sight."""
+    """One raw key's sums over an interval; its stacks and its process's start time
+    taken at first sight (while the process lives)."""
 
     total: int
     count: int
@@ -81,6 +82,7 @@ class _Row:
     user: tuple[Frame, ...]
     before: bool
     waker: Waker | None
+    start: int
 
 
 @dataclass(slots=True)
@@ -155,6 +157,9 @@ class BpfSource:
         self._lost_seen = 0
         self._events_total = 0
         self._starts: dict[int, int] = {}  # pid -> start time, valid for one sub-tick
+        # pid -> the start time it had when last seen alive: a process that
+        # exited within the sub-tick is still itself (its stacks stay cached).
+        self._last_starts: dict[int, int] = {}
         self._seq = 0
         self._finished = ""
         self._mono_to_wall = time.time() - time.monotonic()
@@ -419,14 +424,26 @@ class BpfSource:
     def _start_of(self, pid: int) -> int:
         start = self._starts.get(pid)
         if start is None:
-            start = self._starts[pid] = task_start_time(pid) or 0
+            start = task_start_time(pid) or 0
+            last = self._last_starts
+            if start:
+                if len(last) >= 65_536:
+                    last.clear()
+                last[pid] = start
+            else:
+                # Gone: rows drained now were summed within a sub-tick, by
+                # the process last seen alive with this pid (else 0: unknown).
+                # Once only: a pid gone longer may be another process's.
+                start = last.pop(pid, 0)
+            self._starts[pid] = start
         return start
 
     def _new_row(self, key: tuple[int, ...], total: int, count: int, mx: int, comm: bytes,
                  waker: RawWaker, deadline: float) -> _Row:
         tgid, tid, st, us, ks = key[:5]
         kernel, user, before = self._frames_of(tgid, tid, st, us, ks, deadline)
-        return _Row(total, count, mx, comm, kernel, user, before, self._wakers.waker(waker))
+        return _Row(total, count, mx, comm, kernel, user, before, self._wakers.waker(waker),
+                    self._start_of(tgid))
 
     def _samples(self, rows: dict[tuple[int, ...], _Row]) -> list[Sample]:
         """The interval's summed rows as the model's samples (once per key)."""
@@ -442,7 +459,7 @@ class BpfSource:
             out.append(Sample(
                 pid=tgid, tid=tid, comm=comm, state=state_name(st),
                 offcpu_ns=r.total, count=r.count, max_ns=r.max_ns, kernel=r.kernel,
-                user=r.user, from_event=bool(key[-1]), start=self._start_of(tgid),
+                user=r.user, from_event=bool(key[-1]), start=r.start,
                 before_start=r.before, waker=r.waker,
             ))
         return out

@@ -16,12 +16,13 @@ process must not find the old process's names.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from offtop.model import MARK_DEPTH_LIMIT, MARK_TRUNCATED, MARK_USER_STACK_LOST, Frame
 from offtop.symbols import KernelSymbols, UserSymbols
+from offtop.targets import task_start_time
 
 if TYPE_CHECKING:
     from offtop.bpf.user_stacks import UserStackRepair
@@ -63,6 +64,8 @@ class StackStore:
 
     #: Frames that did not all resolve are looked at again after this many intervals.
     RETRY_INTERVALS = 5
+    #: Every this many intervals, the user frames of processes that are gone are dropped.
+    SWEEP_INTERVALS = 10
 
     def __init__(
         self,
@@ -75,6 +78,7 @@ class StackStore:
         user_depth: int,
         max_cached: int = 200_000,
         repair: UserStackRepair | None = None,
+        start_time: Callable[[int], int | None] = task_start_time,
     ) -> None:
         self._maps = maps
         self._repair = repair
@@ -84,6 +88,7 @@ class StackStore:
         self._kdepth = kernel_depth
         self._udepth = user_depth
         self._max_cached = max_cached
+        self._start_time = start_time
         self._last_use: dict[tuple[str, int], int] = {}
         self._frames: dict[tuple[str, int, int, int], tuple[Frame, ...]] = {}
         self._retry: dict[tuple[str, int, int, int], int] = {}  # key -> interval to look again
@@ -227,6 +232,19 @@ class StackStore:
         for k in stale:
             del self._retry[k]
             self._frames.pop(k, None)
+        if self._seq % self.SWEEP_INTERVALS == 0:
+            self._sweep_gone()
         if len(self._frames) > self._max_cached:
             self._frames.clear()
             self._retry.clear()
+
+    def _sweep_gone(self) -> None:
+        """Drop the user frames of processes that are gone (a pid and its start
+        time name a process): with process churn they would pile up until the
+        cache's bound, holding every dead process's frames."""
+        procs = {(k[2], k[3]) for k in self._frames if k[0] == "u"}
+        gone = {p for p in procs if not p[1] or self._start_time(p[0]) != p[1]}
+        if gone:
+            self._frames = {k: v for k, v in self._frames.items()
+                            if k[0] != "u" or (k[2], k[3]) not in gone}
+            self._retry = {k: v for k, v in self._retry.items() if (k[2], k[3]) not in gone}

@@ -53,9 +53,15 @@ def libc() -> Any:
     return _libc
 
 
+_machine = ""
+
+
 def number(table: dict[str, int], name: str, machine: str | None = None) -> int:
     """The number of syscall `name` on `machine` (default: this one)."""
-    machine = machine or platform.machine()
+    global _machine
+    if not machine:
+        # platform.machine() costs a call chain per use; bpf() is called per map element.
+        machine = _machine = _machine or platform.machine()
     nr = table.get(machine)
     if nr is None:
         raise UnsupportedSyscall(f"{name}() syscall number unknown on {machine}")

@@ -55,7 +55,11 @@ class Wakers:
         self._kernel = kernel
         self._user = user
         self._max = max_kept
-        self._cache: dict[tuple[Any, ...], Waker] = {}
+        # Keyed by the frame tuples' identity (the stack store hands out the
+        # same tuples for the same stack: hashing their frames at every row
+        # was most of this); the value holds them, so an id is never reused
+        # while it is a key.
+        self._cache: dict[tuple[Any, ...], tuple[Waker, tuple[Frame, ...], tuple[Frame, ...]]] = {}
 
     def waker(self, raw: RawWaker) -> Waker | None:
         """The model's waker of a raw one (None: the probe saw none)."""
@@ -65,15 +69,16 @@ class Wakers:
             return None
         kernel = self._kernel(ks)
         user = self._user(tgid, us) if kind == "task" and us >= 0 else ()
-        key = (tgid, tid, what, comm, kernel, user)
-        w = self._cache.get(key)
-        if w is None:
-            if kind != "task":
-                kind, work = interrupt_kind(kernel)
-                w = Waker(0, 0, work, kind, kernel)
-            else:
-                w = Waker(tgid, tid, decode_comm(comm), kind, kernel, user)
-            if len(self._cache) >= self._max:
-                self._cache.clear()
-            self._cache[key] = w
+        key = (tgid, tid, what, comm, id(kernel), id(user))
+        hit = self._cache.get(key)
+        if hit is not None and hit[1] is kernel and hit[2] is user:
+            return hit[0]
+        if kind != "task":
+            kind, work = interrupt_kind(kernel)
+            w = Waker(0, 0, work, kind, kernel)
+        else:
+            w = Waker(tgid, tid, decode_comm(comm), kind, kernel, user)
+        if len(self._cache) >= self._max:
+            self._cache.clear()
+        self._cache[key] = (w, kernel, user)
         return w
