@@ -25,24 +25,23 @@ from typing import Any
 
 from offtop.bpf import environment
 from offtop.bpf.before_start import BeforeStart, cgroup_relative
+from offtop.bpf.block_frames import BlockFrames
 from offtop.bpf.blocked import BlockedNowReader
-from offtop.bpf.budget import Budget, SelfCost
+from offtop.bpf.budget import SelfCost
 from offtop.bpf.compiler_memory import release_compiler_memory
 from offtop.bpf.config import EngineConfig, EngineError
-from offtop.bpf.decode import EVENT_STRUCT, ST_BEFORE_START, decode_comm, state_name
+from offtop.bpf.decode import EVENT_STRUCT, decode_comm, state_name
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.perf_ring import PerfRing
 from offtop.bpf.probe import Probe
 from offtop.bpf.probe_stats import ProbeStats
-from offtop.bpf.python_frames import BlockedThread, PythonFrames, merged_frames
+from offtop.bpf.python_frames import PythonFrames
 from offtop.bpf.stack_store import StackStore
 from offtop.bpf.unwound import UnwoundStacks
 from offtop.bpf.user_stacks import UserStackRepair
 from offtop.bpf.wakers import RawWaker, Wakers
 from offtop.model import (
-    MARK_NOT_RESOLVED,
     Aggregator,
-    BlockedNow,
     CaptureStats,
     Frame,
     LongBlock,
@@ -53,10 +52,9 @@ from offtop.model import (
 from offtop.proc_tasks import in_cgroup
 from offtop.procinfo import ProcessInfoCache
 from offtop.pystacks import PythonStacks
-from offtop.safe_text import decode
 from offtop.source import SourceInfo, local_info
 from offtop.symbols import KernelSymbols, UserSymbols
-from offtop.targets import TargetWatch, task_start_time
+from offtop.targets import TargetWatch
 from offtop.unwind import Unwinder
 
 __all__ = ["BpfSource", "EngineConfig", "EngineError"]
@@ -136,9 +134,11 @@ class BpfSource:
         self.python: PythonFrames | None = None
         self.before = BeforeStart(self.probe, states=config.states, kthreads=config.kthreads,
                                   user_stacks=config.user_stacks, accept=self._in_scope)
+        self.frames = BlockFrames(self.before, clock=clock)
         # Within the sub-tick's symbol budget, as every stack resolved then.
         self._deadline: float | None = None
-        self._wakers = Wakers(self._kernel, lambda pid, sid: self._user(pid, sid, self._deadline))
+        self._wakers = Wakers(self.frames.kernel,
+                              lambda pid, sid: self.frames.user(pid, sid, self._deadline))
         self._comms: dict[bytes, str] = {}  # raw comm -> decoded
         self._ring: PerfRing | None = None
         self._blocked: BlockedNowReader | None = None
@@ -156,16 +156,10 @@ class BpfSource:
         self._next_subtick = 0.0
         self._lost_seen = 0
         self._events_total = 0
-        self._starts: dict[int, int] = {}  # pid -> start time, valid for one sub-tick
-        # pid -> the start time it had when last seen alive: a process that
-        # exited within the sub-tick is still itself (its stacks stay cached).
-        self._last_starts: dict[int, int] = {}
         self._seq = 0
         self._finished = ""
         self._mono_to_wall = time.time() - time.monotonic()
         self._closed = False
-        #: Set by `hurry()`: new stacks are no longer resolved.
-        self.hurried = threading.Event()
 
     # --- SnapshotSource -----------------------------------------------------
 
@@ -213,6 +207,8 @@ class BpfSource:
                                  user_symbols=self._usyms, repair=repair,
                                  capacity={"k": cfg.stack_entries, "u": cfg.ustack_entries},
                                  kernel_depth=cfg.kstack_depth, user_depth=cfg.ustack_depth)
+        self.frames.stacks, self.frames.unwound, self.frames.python = (
+            self.stacks, self.unwound, self.python)
         self._blocked = BlockedNowReader(self.probe, min_ns=cfg.blocked_min_ns,
                                          limit=cfg.blocked_max)
         self._stats = ProbeStats(self.probe.prog_fd, window_s=cfg.stats_window_s,
@@ -270,7 +266,7 @@ class BpfSource:
 
     def hurry(self) -> None:
         """A stop is coming (see `offtop.source.Hurry`): stacks not resolved yet stay so."""
-        self.hurried.set()
+        self.frames.hurried.set()
 
     def set_threshold(self, ns: int) -> None:
         """The user's long-block threshold, written into the running program (no reload)."""
@@ -345,7 +341,7 @@ class BpfSource:
         """Resolve what arrived since the last sub-tick, while processes live."""
         self._next_subtick = now + self.config.subtick_s
         deadline = self._deadline = now + self.config.symbol_budget_s
-        self._starts.clear()
+        self.frames.new_subtick()
         self._read_ring()
         self._control_flood(now)
         self._check_targets()
@@ -384,7 +380,7 @@ class BpfSource:
                 end_ns, delta, cg, tgid, tid, us, ks, st, _cpu, comm = ev[:10]
                 if not self.targets.accepts(tgid, tid):
                     continue
-                kernel, user, before = self._frames_of(tgid, tid, st, us, ks, deadline,
+                kernel, user, before = self.frames.frames_of(tgid, tid, st, us, ks, deadline,
                                                        ts=end_ns - delta)
                 wt, wtid, wus, wks, what, _pad, wcomm = ev[10:]
                 iv.long_blocks.append(LongBlock(
@@ -421,29 +417,12 @@ class BpfSource:
             self._finished = "nothing left to watch: " + "; ".join(
                 [*self._interval.notices])
 
-    def _start_of(self, pid: int) -> int:
-        start = self._starts.get(pid)
-        if start is None:
-            start = task_start_time(pid) or 0
-            last = self._last_starts
-            if start:
-                if len(last) >= 65_536:
-                    last.clear()
-                last[pid] = start
-            else:
-                # Gone: rows drained now were summed within a sub-tick, by
-                # the process last seen alive with this pid (else 0: unknown).
-                # Once only: a pid gone longer may be another process's.
-                start = last.pop(pid, 0)
-            self._starts[pid] = start
-        return start
-
     def _new_row(self, key: tuple[int, ...], total: int, count: int, mx: int, comm: bytes,
                  waker: RawWaker, deadline: float) -> _Row:
         tgid, tid, st, us, ks = key[:5]
-        kernel, user, before = self._frames_of(tgid, tid, st, us, ks, deadline)
+        kernel, user, before = self.frames.frames_of(tgid, tid, st, us, ks, deadline)
         return _Row(total, count, mx, comm, kernel, user, before, self._wakers.waker(waker),
-                    self._start_of(tgid))
+                    self.frames.start_of(tgid))
 
     def _samples(self, rows: dict[tuple[int, ...], _Row]) -> list[Sample]:
         """The interval's summed rows as the model's samples (once per key)."""
@@ -463,50 +442,6 @@ class BpfSource:
                 before_start=r.before, waker=r.waker,
             ))
         return out
-
-    def _frames_of(self, tgid: int, tid: int, st: int, us: int, ks: int, deadline: float,
-                   ts: int | None = None) -> tuple[tuple[Frame, ...], tuple[Frame, ...], bool]:
-        """(kernel frames, user frames, began before offtop) of one block.
-
-        A block from before the start has the stacks /proc showed (and the
-        user stack unwound meanwhile); a block whose thread was unwound while
-        blocked gets that user stack instead of the probe's; Python frames
-        are spliced in where they were read.
-        """
-        if self.hurried.is_set():
-            return (), (_NOT_RESOLVED,), bool(st & ST_BEFORE_START)
-        py = self.python
-        if st & ST_BEFORE_START:
-            before = self.before.pop(tid)
-            if before is None:
-                return (), (), True
-            user = self._unwound_frames(tid, before.ts, deadline, pop=True) or ()
-            t = py.of_block(tid, before.ts, pop=True) if py is not None else None
-            return before.kernel, merged_frames(user, t) if t is not None else user, True
-        unwound = self._unwound_frames(tid, ts, deadline, pop=True) if ts is not None else None
-        user = unwound if unwound is not None else self._user(tgid, us, deadline)
-        if py is not None:
-            t = py.of_block(tid, ts, pop=True) if ts is not None else None
-            t = t or py.of_site(tid, us)
-            if t is not None:
-                user = merged_frames(user, t)
-        return self._kernel(ks), user, False
-
-    def _unwound_frames(self, tid: int, ts: int, deadline: float | None,
-                        *, pop: bool = False) -> tuple[Frame, ...] | None:
-        if self.unwound is None:
-            return None
-        return self.unwound.frames(tid, ts, deadline, pop=pop)
-
-    def _kernel(self, sid: int) -> tuple[Any, ...]:
-        assert self.stacks is not None
-        return self.stacks.kernel(sid)
-
-    def _user(self, pid: int, sid: int, deadline: float | None) -> tuple[Any, ...]:
-        assert self.stacks is not None
-        if self.hurried.is_set():  # a waker's stack too
-            return (_NOT_RESOLVED,)
-        return self.stacks.user(pid, self._start_of(pid), sid, deadline=deadline)
 
     # --- the snapshot -------------------------------------------------------
 
@@ -533,72 +468,15 @@ class BpfSource:
                 out[tid] = now - rec.ts
         return out
 
-    def _blocked_now(self) -> tuple[list[BlockedNow], set[tuple[str, int]]]:
-        assert self._blocked is not None
-        rows, live = self._blocked.read()
-        symbols = Budget(self.config.symbol_budget_s, self._clock)
-        unwinding = Budget(self.config.unwind_budget_s, self._clock)
-        if self.python is not None:
-            self.python.read(BlockedThread(b.pid, b.tid, b.ts, b.ustack) for b in rows
-                             if self.targets.accepts(b.pid, b.tid))
-        out = []
-        for b in rows:
-            if not self.targets.accepts(b.pid, b.tid):
-                continue
-            before = bool(b.state & ST_BEFORE_START)
-            unwound_known = False
-            if self.unwound is not None:
-                with unwinding:
-                    unwound_known = self.unwound.unwind(b.pid, b.tid, b.ts, b.ubp,
-                                                        unwinding.deadline())
-            with symbols:
-                deadline = symbols.deadline()
-                unwound = self._unwound_frames(b.tid, b.ts, deadline) if unwound_known else None
-                if before:
-                    pre = self.before.get(b.tid)
-                    kernel = pre.kernel if pre is not None else ()
-                    user = unwound or ()
-                else:
-                    kernel = self._kernel(b.kstack)
-                    user = self._user(b.pid, b.ustack, deadline)
-                    # The unwound stack is the whole truth, once its names are
-                    # there (a big file may take a few sub-ticks' budgets).
-                    if unwound is not None and _resolved(unwound) >= _resolved(user):
-                        user = unwound
-                t = self.python.of_block(b.tid, b.ts) if self.python is not None else None
-                if t is not None:
-                    user = merged_frames(user, t)
-            out.append(BlockedNow(
-                pid=b.pid, tid=b.tid, comm=_comm_of(b.pid, b.tid), state=state_name(b.state),
-                blocked_ns=b.waited_ns, kernel=kernel, user=user, before_start=before,
-            ))
-        if self.unwound is not None:
-            self.unwound.trim()
-        return out, live
-
     def _build(self, elapsed: float) -> Snapshot:
         assert self.stacks is not None and self._ring is not None and self._stats is not None
         self._seq += 1
         self.stacks.next_interval(self._seq)
-        blocked, live = self._blocked_now()
-        c = self.probe.counters()
-        stack_errors = {
-            cause: c[name]
-            for cause, name in (
-                ("user EFAULT", "ustack_efault"), ("user ENOMEM", "ustack_enomem"),
-                ("user EEXIST", "ustack_eexist"), ("user other", "ustack_other"),
-                ("kernel EFAULT", "kstack_efault"), ("kernel ENOMEM", "kstack_enomem"),
-                ("kernel EEXIST", "kstack_eexist"), ("kernel other", "kstack_other"),
-            )
-            if c[name]
-        }
-        drops = {
-            label: c[name]
-            for label, name in (("start map full", "start_full"),
-                                ("aggregate map full", "agg_full"),
-                                ("perf output failed", "output_fail"))
-            if c[name]
-        }
+        assert self._blocked is not None
+        blocked, live = self.frames.blocked_now(
+            self._blocked, self.targets.accepts, symbol_budget_s=self.config.symbol_budget_s,
+            unwind_budget_s=self.config.unwind_budget_s)
+        stack_errors, drops = _errors_by_cause(self.probe.counters())
         probe_ns, probe_runs = self._stats.interval_result(elapsed)
         lost_total = self._ring.lost
         lost = lost_total - self._lost_seen
@@ -651,20 +529,26 @@ class BpfSource:
         )
 
 
+def _errors_by_cause(c: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """The probe's counters as (stack id failures, drops), by cause, zeros left out."""
+    stack_errors = {
+        cause: c[name]
+        for cause, name in (
+            ("user EFAULT", "ustack_efault"), ("user ENOMEM", "ustack_enomem"),
+            ("user EEXIST", "ustack_eexist"), ("user other", "ustack_other"),
+            ("kernel EFAULT", "kstack_efault"), ("kernel ENOMEM", "kstack_enomem"),
+            ("kernel EEXIST", "kstack_eexist"), ("kernel other", "kstack_other"),
+        )
+        if c[name]
+    }
+    drops = {
+        label: c[name]
+        for label, name in (("start map full", "start_full"),
+                            ("aggregate map full", "agg_full"),
+                            ("perf output failed", "output_fail"))
+        if c[name]
+    }
+    return stack_errors, drops
+
+
 _SELF_PID = os.getpid()
-
-
-_NOT_RESOLVED = Frame(MARK_NOT_RESOLVED)
-
-
-def _resolved(frames: tuple[Frame, ...]) -> int:
-    return sum(1 for f in frames if not f.unknown)
-
-
-def _comm_of(pid: int, tid: int) -> str:
-    # A comm is whatever bytes the task set (prctl PR_SET_NAME): not UTF-8.
-    try:
-        with open(f"/proc/{pid}/task/{tid}/comm", "rb") as f:
-            return decode(f.read(64).removesuffix(b"\n"))
-    except OSError:
-        return "?"

@@ -1,0 +1,179 @@
+"""The frames of a block: which stacks to show for a summed row, a long block or a
+thread blocked now, from the probe's stack ids, /proc (blocks from before the
+start), the unwinder (threads unwound while blocked) and Python frames.
+
+Part of the engine (`offtop.bpf.engine.BpfSource`), apart so that the engine
+reads as the capture loop and this as the rules of what a stack is:
+
+- a block from before offtop started has the kernel stack /proc showed and the
+  user stack unwound meanwhile;
+- a thread unwound while it was blocked gets that user stack, the whole chain,
+  instead of the probe's;
+- Python frames are spliced in where they were read (per block, else per site);
+- once a stop is coming (`hurried`), nothing new is resolved: the stacks are
+  marked instead, so a signal never waits for symbolizing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from offtop.bpf.before_start import BeforeStart
+from offtop.bpf.blocked import BlockedNowReader
+from offtop.bpf.budget import Budget
+from offtop.bpf.decode import ST_BEFORE_START, state_name
+from offtop.bpf.python_frames import BlockedThread, PythonFrames, merged_frames
+from offtop.bpf.stack_store import StackStore
+from offtop.bpf.unwound import UnwoundStacks
+from offtop.model import MARK_NOT_RESOLVED, BlockedNow, Frame
+from offtop.safe_text import decode
+from offtop.targets import task_start_time
+
+_NOT_RESOLVED = Frame(MARK_NOT_RESOLVED)
+
+
+class BlockFrames:
+    """Resolves blocks to frames; `stacks`, `unwound` and `python` are set once the
+    probe is loaded (`BpfSource.start`)."""
+
+    def __init__(self, before: BeforeStart, *, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.before = before
+        self.stacks: StackStore | None = None
+        self.unwound: UnwoundStacks | None = None
+        self.python: PythonFrames | None = None
+        #: Set when a stop is coming: new stacks are not resolved.
+        self.hurried = threading.Event()
+        self._clock = clock
+        self._starts: dict[int, int] = {}  # pid -> start time, valid for one sub-tick
+        # pid -> the start time it had when last seen alive: a process that
+        # exited within the sub-tick is still itself (its stacks stay cached).
+        self._last_starts: dict[int, int] = {}
+
+    def new_subtick(self) -> None:
+        """Start times are read again (a pid may be another process's by now)."""
+        self._starts.clear()
+
+    def start_of(self, pid: int) -> int:
+        """The start time of process `pid` (0: unknown): with the pid, who it is."""
+        start = self._starts.get(pid)
+        if start is None:
+            start = task_start_time(pid) or 0
+            last = self._last_starts
+            if start:
+                if len(last) >= 65_536:
+                    last.clear()
+                last[pid] = start
+            else:
+                # Gone: rows drained now were summed within a sub-tick, by
+                # the process last seen alive with this pid (else 0: unknown).
+                # Once only: a pid gone longer may be another process's.
+                start = last.pop(pid, 0)
+            self._starts[pid] = start
+        return start
+
+    def frames_of(self, tgid: int, tid: int, st: int, us: int, ks: int, deadline: float,
+                  ts: int | None = None) -> tuple[tuple[Frame, ...], tuple[Frame, ...], bool]:
+        """(kernel frames, user frames, began before offtop) of one block.
+
+        A block from before the start has the stacks /proc showed (and the
+        user stack unwound meanwhile); a block whose thread was unwound while
+        blocked gets that user stack instead of the probe's; Python frames
+        are spliced in where they were read.
+        """
+        if self.hurried.is_set():
+            return (), (_NOT_RESOLVED,), bool(st & ST_BEFORE_START)
+        py = self.python
+        if st & ST_BEFORE_START:
+            before = self.before.pop(tid)
+            if before is None:
+                return (), (), True
+            user = self.unwound_frames(tid, before.ts, deadline, pop=True) or ()
+            t = py.of_block(tid, before.ts, pop=True) if py is not None else None
+            return before.kernel, merged_frames(user, t) if t is not None else user, True
+        unwound = self.unwound_frames(tid, ts, deadline, pop=True) if ts is not None else None
+        user = unwound if unwound is not None else self.user(tgid, us, deadline)
+        if py is not None:
+            t = py.of_block(tid, ts, pop=True) if ts is not None else None
+            t = t or py.of_site(tid, us)
+            if t is not None:
+                user = merged_frames(user, t)
+        return self.kernel(ks), user, False
+
+    def unwound_frames(self, tid: int, ts: int, deadline: float | None,
+                       *, pop: bool = False) -> tuple[Frame, ...] | None:
+        if self.unwound is None:
+            return None
+        return self.unwound.frames(tid, ts, deadline, pop=pop)
+
+    def kernel(self, sid: int) -> tuple[Any, ...]:
+        assert self.stacks is not None
+        return self.stacks.kernel(sid)
+
+    def user(self, pid: int, sid: int, deadline: float | None) -> tuple[Any, ...]:
+        assert self.stacks is not None
+        if self.hurried.is_set():  # a waker's stack too
+            return (_NOT_RESOLVED,)
+        return self.stacks.user(pid, self.start_of(pid), sid, deadline=deadline)
+
+    def blocked_now(self, reader: BlockedNowReader, accepts: Callable[[int, int], bool], *,
+                    symbol_budget_s: float, unwind_budget_s: float
+                    ) -> tuple[list[BlockedNow], set[tuple[str, int]]]:
+        """The threads blocked now, with their frames (each part within its budget), and
+        the stack ids still in use (for the stack store's reclaim)."""
+        rows, live = reader.read()
+        symbols = Budget(symbol_budget_s, self._clock)
+        unwinding = Budget(unwind_budget_s, self._clock)
+        if self.python is not None:
+            self.python.read(BlockedThread(b.pid, b.tid, b.ts, b.ustack) for b in rows
+                             if accepts(b.pid, b.tid))
+        out = []
+        for b in rows:
+            if not accepts(b.pid, b.tid):
+                continue
+            before = bool(b.state & ST_BEFORE_START)
+            unwound_known = False
+            if self.unwound is not None:
+                with unwinding:
+                    unwound_known = self.unwound.unwind(b.pid, b.tid, b.ts, b.ubp,
+                                                        unwinding.deadline())
+            with symbols:
+                deadline = symbols.deadline()
+                unwound = self.unwound_frames(b.tid, b.ts, deadline) if unwound_known else None
+                if before:
+                    pre = self.before.get(b.tid)
+                    kernel = pre.kernel if pre is not None else ()
+                    user = unwound or ()
+                else:
+                    kernel = self.kernel(b.kstack)
+                    user = self.user(b.pid, b.ustack, deadline)
+                    # The unwound stack is the whole truth, once its names are
+                    # there (a big file may take a few sub-ticks' budgets).
+                    if unwound is not None and _resolved(unwound) >= _resolved(user):
+                        user = unwound
+                t = self.python.of_block(b.tid, b.ts) if self.python is not None else None
+                if t is not None:
+                    user = merged_frames(user, t)
+            out.append(BlockedNow(
+                pid=b.pid, tid=b.tid, comm=_comm_of(b.pid, b.tid), state=state_name(b.state),
+                blocked_ns=b.waited_ns, kernel=kernel, user=user, before_start=before,
+            ))
+        if self.unwound is not None:
+            self.unwound.trim()
+        return out, live
+
+
+def _resolved(frames: tuple[Frame, ...]) -> int:
+    return sum(1 for f in frames if not f.unknown)
+
+
+def _comm_of(pid: int, tid: int) -> str:
+    # A comm is whatever bytes the task set (prctl PR_SET_NAME): not UTF-8.
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm", "rb") as f:
+            return decode(f.read(64).removesuffix(b"\n"))
+    except OSError:
+        return "?"
