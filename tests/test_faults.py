@@ -925,8 +925,9 @@ def test_batch_signal_during_startup_exits_at_once(bpf_available: None, after_s:
 @pytest.mark.bpf
 def test_a_hurried_engine_counts_everything_and_resolves_nothing_new(
         bpf_available: None, workloads: Any) -> None:
-    """After `hurry()` (a stop is coming) blocks are still counted whole; their stacks,
-    new in that interval, are marked not resolved instead of being symbolized."""
+    """After `hurry()` (a stop is coming) and its time to finish (0 here), blocks are
+    still counted whole; their stacks, new in that interval, are marked not resolved
+    instead of being symbolized."""
     from offtop.bpf.engine import BpfSource, EngineConfig
 
     w = workloads("sleep", "20")
@@ -937,7 +938,7 @@ def test_a_hurried_engine_counts_everything_and_resolves_nothing_new(
         first = src.next_snapshot(0.5, stop)
         assert first is not None
         assert any(f.name == "offtop_wl_sleep" for st in first.stacks for f in st.user)
-        src.hurry()
+        src.hurry(within_s=0)
         snap = src.next_snapshot(0.5, stop)
         assert snap is not None
         mine = [st for st in snap.stacks if st.tid == w.tid]

@@ -10,8 +10,8 @@ reads as the capture loop and this as the rules of what a stack is:
 - a thread unwound while it was blocked gets that user stack, the whole chain,
   instead of the probe's;
 - Python frames are spliced in where they were read (per block, else per site);
-- once a stop is coming (`hurried`), nothing new is resolved: the stacks are
-  marked instead, so a signal never waits for symbolizing.
+- once a stop is coming (`hurry`), what is left is resolved for a short while
+  more, then the stacks are marked instead: a signal never waits for long.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from offtop.model import MARK_NOT_RESOLVED, BlockedNow, Frame
 from offtop.safe_text import decode
 from offtop.targets import task_start_time
 
-_NOT_RESOLVED = Frame(MARK_NOT_RESOLVED)
+NOT_RESOLVED = Frame(MARK_NOT_RESOLVED)
 
 
 class BlockFrames:
@@ -45,13 +45,24 @@ class BlockFrames:
         self.stacks: StackStore | None = None
         self.unwound: UnwoundStacks | None = None
         self.python: PythonFrames | None = None
-        #: Set when a stop is coming: new stacks are not resolved.
+        #: Set when a stop is coming: past `_hurry_deadline`, nothing more is resolved.
         self.hurried = threading.Event()
+        self._hurry_deadline = 0.0
         self._clock = clock
         self._starts: dict[int, int] = {}  # pid -> start time, valid for one sub-tick
         # pid -> the start time it had when last seen alive: a process that
         # exited within the sub-tick is still itself (its stacks stay cached).
         self._last_starts: dict[int, int] = {}
+
+    def hurry(self, within_s: float) -> None:
+        """A stop is coming: resolve for `within_s` more at most (callable from a signal
+        handler or another thread)."""
+        self._hurry_deadline = self._clock() + within_s
+        self.hurried.set()
+
+    def gave_up(self) -> bool:
+        """A stop is coming and its time to resolve stacks is over."""
+        return self.hurried.is_set() and self._clock() >= self._hurry_deadline
 
     def new_subtick(self) -> None:
         """Start times are read again (a pid may be another process's by now)."""
@@ -84,8 +95,8 @@ class BlockFrames:
         blocked gets that user stack instead of the probe's; Python frames
         are spliced in where they were read.
         """
-        if self.hurried.is_set():
-            return (), (_NOT_RESOLVED,), bool(st & ST_BEFORE_START)
+        if self.gave_up():
+            return (), (NOT_RESOLVED,), bool(st & ST_BEFORE_START)
         py = self.python
         if st & ST_BEFORE_START:
             before = self.before.pop(tid)
@@ -115,8 +126,8 @@ class BlockFrames:
 
     def user(self, pid: int, sid: int, deadline: float | None) -> tuple[Any, ...]:
         assert self.stacks is not None
-        if self.hurried.is_set():  # a waker's stack too
-            return (_NOT_RESOLVED,)
+        if self.gave_up():  # a waker's stack too
+            return (NOT_RESOLVED,)
         return self.stacks.user(pid, self.start_of(pid), sid, deadline=deadline)
 
     def blocked_now(self, reader: BlockedNowReader, accepts: Callable[[int, int], bool], *,

@@ -25,12 +25,12 @@ from typing import Any
 
 from offtop.bpf import environment
 from offtop.bpf.before_start import BeforeStart, cgroup_relative
-from offtop.bpf.block_frames import BlockFrames
+from offtop.bpf.block_frames import NOT_RESOLVED, BlockFrames
 from offtop.bpf.blocked import BlockedNowReader
 from offtop.bpf.budget import SelfCost
 from offtop.bpf.compiler_memory import release_compiler_memory
 from offtop.bpf.config import EngineConfig, EngineError
-from offtop.bpf.decode import EVENT_STRUCT, decode_comm, state_name
+from offtop.bpf.decode import EVENT_STRUCT, ST_BEFORE_START, decode_comm, state_name
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.perf_ring import PerfRing
 from offtop.bpf.probe import Probe
@@ -264,9 +264,10 @@ class BpfSource:
         self._last_tick = now
         return self._build(elapsed)
 
-    def hurry(self) -> None:
-        """A stop is coming (see `offtop.source.Hurry`): stacks not resolved yet stay so."""
-        self.frames.hurried.set()
+    def hurry(self, within_s: float = 0.1) -> None:
+        """A stop is coming (see `offtop.source.Hurry`): what is left is resolved for
+        `within_s` more, then its stacks are marked not resolved."""
+        self.frames.hurry(within_s)
 
     def set_threshold(self, ns: int) -> None:
         """The user's long-block threshold, written into the running program (no reload)."""
@@ -350,8 +351,11 @@ class BpfSource:
         iv = self._interval
         rows = iv.rows
         accepts = self.targets.accepts
+        gave_up = self.frames.gave_up
         for tgid, tid, st, us, ks, total, count, mx, comm, waker in self.probe.drain_aggregates():
             key = (tgid, tid, st, us, ks, waker[0], waker[1], waker[4], 0)
+            if gave_up():  # stopping: a row per thread and state, its stacks not resolved
+                key = (tgid, tid, st, -1, -1, 0, 0, 0, 0)
             row = rows.get(key)
             if row is not None:
                 row.total += total
@@ -420,6 +424,9 @@ class BpfSource:
     def _new_row(self, key: tuple[int, ...], total: int, count: int, mx: int, comm: bytes,
                  waker: RawWaker, deadline: float) -> _Row:
         tgid, tid, st, us, ks = key[:5]
+        if us == ks == -1:
+            return _Row(total, count, mx, comm, (), (NOT_RESOLVED,), bool(st & ST_BEFORE_START),
+                        None, self.frames.start_of(tgid))
         kernel, user, before = self.frames.frames_of(tgid, tid, st, us, ks, deadline)
         return _Row(total, count, mx, comm, kernel, user, before, self._wakers.waker(waker),
                     self.frames.start_of(tgid))
