@@ -58,7 +58,12 @@ def test_sleeper_is_off_cpu_in_its_function(workloads: Any) -> None:
     snaps = steady(offtop_json("-p", str(w.pid), count=4))
     frac = offcpu_fraction(snaps, w.tid)
     assert frac >= 0.95, f"sleeper off-CPU {frac:.3f} of wall time"
-    assert frac <= 1.02
+    # A block is counted whole in the interval where it ends (README, "Known limits"):
+    # the first one counted may have begun up to one block (100 ms) before the first
+    # interval; anything beyond that would be counted twice or invented.
+    wall_ns = sum(s["interval_s"] for s in snaps) * 1e9
+    longest = max((task_of(s, w.tid) or {"max_ns": 0})["max_ns"] for s in snaps)
+    assert frac * wall_ns <= wall_ns + longest + 2 * MS, (frac, longest)
     for s in snaps:
         t = task_of(s, w.tid)
         assert t is not None and t["state_ns"]["D"] == 0
