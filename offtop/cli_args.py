@@ -7,6 +7,7 @@ CLI adds "offtop: error:" and exits with status 2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import re
@@ -105,7 +106,7 @@ def build_parser() -> _Parser:
     p.add_argument("--no-stacks", action="store_true", help="capture no stacks (cheapest)")
     p.add_argument("--no-wakers", action="store_true",
                    help="do not record who woke each block (saves the sched_waking probe)")
-    p.add_argument("--waker-stacks-min", type=str, default="1ms", metavar="DUR",
+    p.add_argument("--waker-stacks-min", type=str, default=None, metavar="DUR",
                    help="take the waker's stacks only for blocks at least this long "
                         "(default 1ms; 0: every block); shorter blocks keep the waker's name")
     p.add_argument("--folded-wakers", action="store_true",
@@ -305,12 +306,15 @@ def config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, float, int
     # `is not None`: an empty list (-p '') is an error, not "every process".
     pids = parse_ids(args.pid, "pid") if args.pid is not None else ()
     tids = parse_ids(args.tid, "tid") if args.tid is not None else ()
-    try:
-        waker_min = parse_duration_ns(args.waker_stacks_min)
-    except DurationError as e:
-        raise UsageError(f"--waker-stacks-min: {e}") from None
-    if args.no_wakers and args.waker_stacks_min != "1ms":
-        raise UsageError("--waker-stacks-min with --no-wakers: no waker is recorded")
+    # Given or not (then EngineConfig's default), never compared with a copy of it.
+    waker_min: int | None = None
+    if args.waker_stacks_min is not None:
+        if args.no_wakers:
+            raise UsageError("--waker-stacks-min with --no-wakers: no waker is recorded")
+        try:
+            waker_min = parse_duration_ns(args.waker_stacks_min)
+        except DurationError as e:
+            raise UsageError(f"--waker-stacks-min: {e}") from None
     if args.folded_wakers and (args.format != "folded" or args.no_wakers):
         raise UsageError("--folded-wakers needs --format folded and wakers (no --no-wakers)")
     cgroup = None
@@ -333,13 +337,14 @@ def config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, float, int
         user_stacks=not (args.no_user_stacks or args.no_stacks),
         kernel_stacks=not (args.no_kernel_stacks or args.no_stacks),
         wakers=not args.no_wakers,
-        waker_stacks_min_ns=waker_min,
         python_stacks=not (args.no_python_stacks or args.no_user_stacks or args.no_stacks),
         pids=pids,
         tids=tids,
         cgroup=cgroup,
         scope="; ".join(scope),
     )
+    if waker_min is not None:
+        cfg = dataclasses.replace(cfg, waker_stacks_min_ns=waker_min)
     return cfg, interval, count
 
 
