@@ -134,13 +134,13 @@ def sample(src: BpfSource, snap: Any, t: float, late_s: float) -> dict[str, Any]
     """One row: memory, caches, kernel maps, capture health."""
     st = snap.stats
     usyms = src.user_symbols
-    assert src.stacks is not None
+    assert src.frames.stacks is not None
     return {
         "t": round(t, 1),
         "rss_mb": round(rss_mb(), 2),
         "tracked_threads": src.aggregator.tracked_threads,
         "symbol_caches": usyms.cached_processes if usyms else 0,
-        "frame_cache": src.stacks.cached,
+        "frame_cache": src.frames.stacks.cached,
         "stack_ids": st.stacks_used,
         "start_map": sum(1 for _, _, slot in src.probe.thread_records() if slot < 0),
         "tasks": len(snap.tasks),

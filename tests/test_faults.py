@@ -290,14 +290,14 @@ def test_process_churn_keeps_caches_bounded(bpf_available: None, workloads: Any)
                     user_symbols=usyms)
     src.start()
     try:
-        assert src.stacks is not None
+        assert src.frames.stacks is not None
         seen: list[dict[str, int]] = []
         for s in snapshots(src, 12):
             seen.append({
                 "tasks": len(s.tasks),
                 "tracked": agg.tracked_threads,
                 "usyms": usyms.cached_processes,
-                "frames": src.stacks.cached,
+                "frames": src.frames.stacks.cached,
                 "stacks": s.stats.stacks_used,
                 "start": sum(1 for _, _, slot in src.probe.thread_records() if slot < 0),
             })

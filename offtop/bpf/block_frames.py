@@ -16,7 +16,7 @@ reads as the capture loop and this as the rules of what a stack is:
 
 from __future__ import annotations
 
-import threading
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,9 +45,8 @@ class BlockFrames:
         self.stacks: StackStore | None = None
         self.unwound: UnwoundStacks | None = None
         self.python: PythonFrames | None = None
-        #: Set when a stop is coming: past `_hurry_deadline`, nothing more is resolved.
-        self.hurried = threading.Event()
-        self._hurry_deadline = 0.0
+        #: Past this (clock time, set when a stop is coming), nothing more is resolved.
+        self._hurry_deadline = math.inf
         self._clock = clock
         self._starts: dict[int, int] = {}  # pid -> start time, valid for one sub-tick
         # pid -> the start time it had when last seen alive: a process that
@@ -58,11 +57,10 @@ class BlockFrames:
         """A stop is coming: resolve for `within_s` more at most (callable from a signal
         handler or another thread)."""
         self._hurry_deadline = self._clock() + within_s
-        self.hurried.set()
 
     def gave_up(self) -> bool:
         """A stop is coming and its time to resolve stacks is over."""
-        return self.hurried.is_set() and self._clock() >= self._hurry_deadline
+        return self._clock() >= self._hurry_deadline
 
     def new_subtick(self) -> None:
         """Start times are read again (a pid may be another process's by now)."""

@@ -129,9 +129,6 @@ class BpfSource:
         self.flood = FloodControl(config.event_budget_per_s)
         self.targets = TargetWatch(config.pids, config.tids, config.cgroup)
         self._cgroup_rel = cgroup_relative(config.cgroup) if config.cgroup else "/"
-        self.stacks: StackStore | None = None
-        self.unwound: UnwoundStacks | None = None
-        self.python: PythonFrames | None = None
         self.before = BeforeStart(self.probe, states=config.states, kthreads=config.kthreads,
                                   user_stacks=config.user_stacks, accept=self._in_scope)
         self.frames = BlockFrames(self.before, clock=clock)
@@ -199,16 +196,15 @@ class BpfSource:
         if cfg.user_stacks:
             unwinder = Unwinder()
             assert self._usyms is not None
-            self.unwound = UnwoundStacks(unwinder, self._usyms, clock=self._clock)
+            self.frames.unwound = UnwoundStacks(unwinder, self._usyms, clock=self._clock)
             if cfg.python_stacks:
-                self.python = PythonFrames(PythonStacks(), budget_s=cfg.python_budget_s)
+                self.frames.python = PythonFrames(PythonStacks(),
+                                                  budget_s=cfg.python_budget_s)
             repair = UserStackRepair(unwinder, self.probe.set_unwind_rule)
-        self.stacks = StackStore(self.probe, kernel_symbols=self._ksyms,
-                                 user_symbols=self._usyms, repair=repair,
-                                 capacity={"k": cfg.stack_entries, "u": cfg.ustack_entries},
-                                 kernel_depth=cfg.kstack_depth, user_depth=cfg.ustack_depth)
-        self.frames.stacks, self.frames.unwound, self.frames.python = (
-            self.stacks, self.unwound, self.python)
+        self.frames.stacks = StackStore(
+            self.probe, kernel_symbols=self._ksyms, user_symbols=self._usyms, repair=repair,
+            capacity={"k": cfg.stack_entries, "u": cfg.ustack_entries},
+            kernel_depth=cfg.kstack_depth, user_depth=cfg.ustack_depth)
         self._blocked = BlockedNowReader(self.probe, min_ns=cfg.blocked_min_ns,
                                          limit=cfg.blocked_max)
         self._stats = ProbeStats(self.probe.prog_fd, window_s=cfg.stats_window_s,
@@ -346,8 +342,8 @@ class BpfSource:
         self._read_ring()
         self._control_flood(now)
         self._check_targets()
-        if self.python is not None:
-            self.python.sample(self._blocked_record)
+        if self.frames.python is not None:
+            self.frames.python.sample(self._blocked_record)
         iv = self._interval
         rows = iv.rows
         accepts = self.targets.accepts
@@ -476,9 +472,10 @@ class BpfSource:
         return out
 
     def _build(self, elapsed: float) -> Snapshot:
-        assert self.stacks is not None and self._ring is not None and self._stats is not None
+        stacks, python = self.frames.stacks, self.frames.python
+        assert stacks is not None and self._ring is not None and self._stats is not None
         self._seq += 1
-        self.stacks.next_interval(self._seq)
+        stacks.next_interval(self._seq)
         assert self._blocked is not None
         blocked, live = self.frames.blocked_now(
             self._blocked, self.targets.accepts, symbol_budget_s=self.config.symbol_budget_s,
@@ -491,7 +488,7 @@ class BpfSource:
         iv = self._interval
         self._interval = _Interval(long_blocks=deque(maxlen=self.config.long_blocks_max))
         cpu_pct, rss = self._self_cost.interval(elapsed)
-        st = self.stacks.stats
+        st = stacks.stats
         usyms = self._usyms
         stats = CaptureStats(
             events=iv.events,
@@ -503,7 +500,7 @@ class BpfSource:
             truncated_stacks=st.truncated,
             symbol_misses=usyms.misses if usyms else 0,
             agg_entries=len(iv.rows),
-            stacks_used=self.stacks.used,
+            stacks_used=stacks.used,
             stacks_capacity=self.config.stack_entries + self.config.ustack_entries,
             stacks_reclaimed=st.reclaimed,
             probe_run_ns=probe_ns,
@@ -516,12 +513,12 @@ class BpfSource:
             symbol_errors=dict(getattr(usyms, "errors", {}) or {}),
             offtop_cpu_pct=cpu_pct,
             offtop_rss_bytes=rss,
-            python_failures=dict(self.python.failures) if self.python is not None else {},
+            python_failures=dict(python.failures) if python is not None else {},
         )
-        self.stacks.reclaim(live)
+        stacks.reclaim(live)
         if usyms is not None and self._seq % 10 == 0:
             usyms.evict()
-        self.stacks.trim()
+        stacks.trim()
         return self.aggregator.build(
             self._samples(iv.rows),
             time=time.time(),
