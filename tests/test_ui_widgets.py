@@ -546,7 +546,7 @@ class HeaderApp(App[None]):
         yield OfftopHeader()
 
 
-async def test_the_header_is_laid_out_again_only_when_its_height_changes(
+async def test_the_header_keeps_three_lines_and_never_lays_the_screen_out_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
     app = HeaderApp()
     snaps = synthetic_snapshots(3, tasks=10, stacks=20, seed=1)
@@ -564,10 +564,14 @@ async def test_the_header_is_laid_out_again_only_when_its_height_changes(
         header.index = SnapshotIndex(quiet[0])
         header.index = SnapshotIndex(quiet[1])
         await pilot.pause()
-        assert not any(layouts) and header.size.height == 2
-        header.index = SnapshotIndex(snaps[2])  # errors to say: a third line
+        assert header.size.height == 3
+        assert header.render().plain.split("\n")[2] == ""  # nothing to say
+        header.index = SnapshotIndex(snaps[2])  # errors to say: on the third line
         await pilot.pause()
-        assert any(layouts) and header.size.height == 3
+        assert "truncated" in header.render().plain.split("\n")[2]
+        header.index = SnapshotIndex(quiet[2])
+        await pilot.pause()
+        assert not any(layouts) and header.size.height == 3
 
 
 # --- the threshold pane, menus --------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Line 1 names the capture (host, scope, time, kernel, stacks); line 2 says how
 it runs (interval, threshold, events, lost events, the probe's cost and
-offtop's own); line 3, shown only when there is something to say, lists
+offtop's own); line 3 (blank when there is nothing to say) lists
 every error the capture counted (STYLE.md rule 8: errors are data), flood
 control, what happened to the scope ("pid 123 exited") and, once nothing is
 left to watch, that the run is over.
@@ -91,12 +91,15 @@ def problems_text(stats: CaptureStats) -> Text:
 
 
 class OfftopHeader(Widget):
-    """Two or three lines: the capture, its health and cost, its errors and news."""
+    """Three lines: the capture, its health and cost, its errors and news.
+
+    The height is fixed: a header that grew and shrank with its news would
+    lay the whole screen out again each time, and a layout pass that lags the
+    data on a busy machine would show a line cut off."""
 
     DEFAULT_CSS = """
     OfftopHeader {
-        height: auto;
-        max-height: 3;
+        height: 3;
         background: $panel;
         color: $foreground;
         padding: 0 1;
@@ -134,37 +137,15 @@ class OfftopHeader(Widget):
                  classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.set_reactive(OfftopHeader.interval_s, interval_s)
-        self._height = 2
 
     def watch_paused(self, paused: bool) -> None:
         self.set_class(paused, "-paused")
 
     def watch_index(self, index: SnapshotIndex | None) -> None:
         self.set_class(index is not None and bool(index.snapshot.finished), "-finished")
-        self._fit()
-
-    def watch_status(self) -> None:
-        self._fit()
-
-    def watch_notices(self) -> None:
-        self._fit()
-
-    def watch_stalled_s(self) -> None:
-        self._fit()
-
-    def _fit(self) -> None:
-        """Lay the screen out again only when the number of lines changes
-        (a layout per tick would cost every pane a resize pass)."""
-        height = 3 if self._news_line().plain else 2
-        if height != self._height:
-            self._height = height
-            self.refresh(layout=True)
 
     def render(self) -> Text:
-        lines = [self._capture_line(), self._health_line()]
-        news = self._news_line()
-        if news.plain:
-            lines.append(news)
+        lines = [self._capture_line(), self._health_line(), self._news_line()]
         out = Text("\n", no_wrap=True, overflow="ellipsis", end="").join(lines)
         out.no_wrap, out.overflow = True, "ellipsis"
         return out
