@@ -36,6 +36,7 @@ from offtop.bpf.perf_ring import PerfRing
 from offtop.bpf.probe import Probe
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import PythonFrames
+from offtop.bpf.row_frames import RowFrames
 from offtop.bpf.stack_store import StackStore
 from offtop.bpf.unwound import UnwoundStacks
 from offtop.bpf.user_stacks import UserStackRepair
@@ -136,6 +137,7 @@ class BpfSource:
         self._deadline: float | None = None
         self._wakers = Wakers(self.frames.kernel,
                               lambda pid, sid: self.frames.user(pid, sid, self._deadline))
+        self._rows = RowFrames(self.frames, self._wakers)
         self._comms: dict[bytes, str] = {}  # raw comm -> decoded
         self._ring: PerfRing | None = None
         self._blocked: BlockedNowReader | None = None
@@ -423,9 +425,9 @@ class BpfSource:
         if us == ks == -1:
             return _Row(total, count, mx, comm, (), (NOT_RESOLVED,), bool(st & ST_BEFORE_START),
                         None, self.frames.start_of(tgid))
-        kernel, user, before = self.frames.frames_of(tgid, tid, st, us, ks, deadline)
-        return _Row(total, count, mx, comm, kernel, user, before, self._wakers.waker(waker),
-                    self.frames.start_of(tgid))
+        kernel, user, before, w, start = self._rows.resolve(tgid, tid, st, us, ks, waker,
+                                                            deadline)
+        return _Row(total, count, mx, comm, kernel, user, before, w, start)
 
     def _samples(self, rows: dict[tuple[int, ...], _Row]) -> list[Sample]:
         """The interval's summed rows as the model's samples (once per key)."""

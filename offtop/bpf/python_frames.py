@@ -136,6 +136,10 @@ class PythonFrames:
         while len(store) > self._max:
             store.popitem(last=False)
 
+    def is_python(self, pid: int) -> bool:
+        """Whether process `pid`'s Python stacks are read (its frames change per sample)."""
+        return pid in self._python_pids
+
     def of_block(self, tid: int, ts: int, *, pop: bool = False) -> PyThread | None:
         """The Python stack of one block, read while it lasted."""
         key = (tid, ts)

@@ -94,6 +94,9 @@ class StackStore:
         self._retry: dict[tuple[str, int, int, int], int] = {}  # key -> interval to look again
         self._seq = 0
         self.stats = StackStats()
+        #: Bumped whenever ids are deleted or cached frames dropped wholesale: what
+        #: was learnt from an id before may name another stack now.
+        self.generation = 0
 
     @property
     def cached(self) -> int:
@@ -108,6 +111,23 @@ class StackStore:
     def next_interval(self, seq: int) -> None:
         """Stamp later uses with interval `seq` (for reclaiming)."""
         self._seq = seq
+
+    def touch(self, ksid: int, usid: int) -> None:
+        """Stamp ids as used now, as resolving them would (they are not reclaimed)."""
+        seq = self._seq
+        if ksid >= 0:
+            self._last_use[("k", ksid)] = seq
+        if usid >= 0:
+            self._last_use[("u", usid)] = seq
+
+    def final(self, pid: int, start: int, sid: int) -> bool:
+        """Whether the user frames of `sid` in process (`pid`, `start`) are cached and
+        will not be looked at again (a negative id: only when it means "no user
+        stack", since every other is counted as a lost stack at each use)."""
+        if sid < 0:
+            return sid == -EFAULT or self.user_symbols is None
+        key = ("u", sid, pid, start)
+        return key in self._frames and key not in self._retry
 
     def kernel(self, sid: int) -> tuple[Frame, ...]:
         """The kernel frames of id `sid` (() for none)."""
@@ -210,6 +230,7 @@ class StackStore:
             self._maps.delete_stack(kind, sid)
             del self._last_use[(kind, sid)]
         if victims:
+            self.generation += 1
             gone = set(victims)
             self._frames = {k: v for k, v in self._frames.items() if (k[0], k[1]) not in gone}
             self._retry = {k: v for k, v in self._retry.items() if (k[0], k[1]) not in gone}
@@ -235,6 +256,7 @@ class StackStore:
         if self._seq % self.SWEEP_INTERVALS == 0:
             self._sweep_gone()
         if len(self._frames) > self._max_cached:
+            self.generation += 1
             self._frames.clear()
             self._retry.clear()
 
