@@ -13,7 +13,7 @@ import heapq
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 #: Task states offtop reports, as the sched_switch tracepoint normalizes them.
 STATE_NAMES: Mapping[str, str] = {
@@ -158,6 +158,11 @@ class Sample:
     before_start: bool = False
     #: Who ended these blocks (None: not recorded, e.g. --no-wakers).
     waker: Waker | None = None
+
+
+#: A `Sample` as a plain tuple, its fields in order (`Aggregator.build_raw`).
+RawSample = tuple[int, int, str, str, int, int, int, tuple[Frame, ...], tuple[Frame, ...], bool,
+                  int, bool, "Waker | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,19 +413,6 @@ class _Acc:
     start: int = 0
     state_ns: dict[str, int] = field(default_factory=dict)
 
-    def add(self, s: Sample) -> None:
-        if s.start:
-            self.start = s.start
-        self.offcpu_ns += s.offcpu_ns
-        self.count += s.count
-        if s.max_ns > self.max_ns:
-            self.max_ns = s.max_ns
-        self.state_ns[s.state] = self.state_ns.get(s.state, 0) + s.offcpu_ns
-        if s.from_event:
-            self.events += s.count
-        if s.comm:
-            self.comm = s.comm
-
 
 class _FrameTupleNumbers:
     """Numbers for frame tuples, equal for equal frames (private to the model).
@@ -512,90 +504,106 @@ class Aggregator:
         `process_meta(pid)` gives (user, command line) for the top `meta_limit`
         processes, or None for a process that is gone.
         """
+        return self.build_raw(
+            ((s.pid, s.tid, s.comm, s.state, s.offcpu_ns, s.count, s.max_ns, s.kernel, s.user,
+              s.from_event, s.start, s.before_start, s.waker) for s in samples),
+            time=time, interval_s=interval_s, threshold_ns=threshold_ns,
+            long_blocks=long_blocks, blocked_now=blocked_now, stats=stats,
+            process_meta=process_meta, meta_limit=meta_limit, notices=notices,
+            finished=finished)
+
+    def build_raw(
+        self,
+        samples: Iterable[RawSample],
+        *,
+        time: float,
+        interval_s: float,
+        threshold_ns: int,
+        long_blocks: Iterable[LongBlock] = (),
+        blocked_now: Iterable[BlockedNow] = (),
+        stats: CaptureStats | None = None,
+        process_meta: Callable[[int], tuple[str, str] | None] | None = None,
+        meta_limit: int = 200,
+        notices: Iterable[str] = (),
+        finished: str = "",
+    ) -> Snapshot:
+        """`build`, from samples as plain tuples in `Sample`'s field order (`RawSample`):
+        what the engine hands over, a `Sample` object per row costing more than
+        the summing (a busy server has 10,000 rows a second)."""
         self._seq += 1
         seq = self._seq
         threads: dict[int, _Acc] = {}
-        # Stacks are summed by (tid, state, chain numbers): numbers, not frame
-        # tuples, since hashing a tuple hashes every frame in it, every time.
-        stacks: dict[tuple[int, str, int, int], list[int]] = {}
-        stack_meta: dict[tuple[int, str, int, int],
-                         tuple[int, str, tuple[Frame, ...], tuple[Frame, ...]]] = {}
-        wakers: dict[tuple[int, str, int, int], dict[Waker, list[int]]] = {}
+        # Stacks are summed by (tid, state, before start, chain numbers):
+        # numbers, not frame tuples, since hashing a tuple hashes every frame
+        # in it, every time.
+        stacks: dict[tuple[int, str, bool, int, int], list[Any]] = {}
         number = self._chains.start()
 
-        for s in samples:
-            acc = threads.get(s.tid)
+        for (pid, tid, comm, state, ns, count, max_ns, kernel, user, from_event, start,
+             before, waker) in samples:
+            acc = threads.get(tid)
             if acc is None:
-                acc = threads[s.tid] = _Acc(pid=s.pid, comm=s.comm)
-            acc.add(s)
-            skey = (s.tid, s.state + ("<" if s.before_start else ""), number(s.kernel),
-                    number(s.user))
+                acc = threads[tid] = _Acc(pid=pid, comm=comm)
+            if start:
+                acc.start = start
+            acc.offcpu_ns += ns
+            acc.count += count
+            if max_ns > acc.max_ns:
+                acc.max_ns = max_ns
+            state_ns = acc.state_ns
+            state_ns[state] = state_ns.get(state, 0) + ns
+            if from_event:
+                acc.events += count
+            if comm:
+                acc.comm = comm
+            skey = (tid, state, before, number(kernel), number(user))
             cur = stacks.get(skey)
             if cur is None:
-                stacks[skey] = [s.offcpu_ns, s.count, s.max_ns]
-                stack_meta[skey] = (s.pid, s.comm, s.kernel, s.user)
+                # offcpu_ns, count, max_ns, pid, comm, kernel, user, {waker: [ns, count]}
+                cur = stacks[skey] = [ns, count, max_ns, pid, comm, kernel, user, None]
             else:
-                cur[0] += s.offcpu_ns
-                cur[1] += s.count
-                cur[2] = max(cur[2], s.max_ns)
-            if s.waker is not None:
-                by_waker = wakers.setdefault(skey, {})
-                w = by_waker.get(s.waker)
-                if w is None:
-                    by_waker[s.waker] = [s.offcpu_ns, s.count]
+                cur[0] += ns
+                cur[1] += count
+                if max_ns > cur[2]:
+                    cur[2] = max_ns
+            if waker is not None:
+                by_waker = cur[7]
+                if by_waker is None:
+                    cur[7] = {waker: [ns, count]}
                 else:
-                    w[0] += s.offcpu_ns
-                    w[1] += s.count
+                    w = by_waker.get(waker)
+                    if w is None:
+                        by_waker[waker] = [ns, count]
+                    else:
+                        w[0] += ns
+                        w[1] += count
 
+        totals = self._totals
         for tid, acc in threads.items():
-            tot = self._totals.get(tid)
+            tot = totals.get(tid)
             if tot is None or tot.pid != acc.pid or (tot.start and acc.start
                                                      and tot.start != acc.start):
                 # A new thread, or this tid reused by another process: afresh.
-                tot = self._totals[tid] = _Total(pid=acc.pid, start=acc.start)
+                tot = totals[tid] = _Total(pid=acc.pid, start=acc.start)
             elif not tot.start:
                 tot.start = acc.start
             tot.total_ns += acc.offcpu_ns
             tot.last_seq = seq
         self._forget(seq)
 
-        tasks = tuple(
-            sorted(
-                (
-                    TaskRow(
-                        pid=a.pid,
-                        tid=tid,
-                        comm=a.comm,
-                        offcpu_ns=a.offcpu_ns,
-                        count=a.count,
-                        max_ns=a.max_ns,
-                        state_ns=dict(a.state_ns),
-                        total_ns=self._totals[tid].total_ns,
-                        events=a.events,
-                    )
-                    for tid, a in threads.items()
-                ),
-                key=lambda t: (-t.offcpu_ns, t.tid),
-            )
-        )
-        stack_rows = sorted(
-            (
-                StackRow(
-                    pid=m[0],
-                    tid=k[0],
-                    comm=m[1],
-                    state=k[1].rstrip("<"),
-                    before_start=k[1].endswith("<"),
-                    offcpu_ns=v[0],
-                    count=v[1],
-                    max_ns=v[2],
-                    kernel=m[2],
-                    user=m[3],
-                    wakers=_waker_rows(wakers.get(k)),
-                )
-                for k, v in stacks.items() for m in (stack_meta[k],)
-            ),
-            key=lambda r: (-r.offcpu_ns, r.tid, r.state),
+        task_list = [
+            TaskRow(a.pid, tid, a.comm, a.offcpu_ns, a.count, a.max_ns, a.state_ns,
+                    totals[tid].total_ns, a.events)
+            for tid, a in threads.items()
+        ]
+        task_list.sort(key=lambda t: (-t.offcpu_ns, t.tid))
+        tasks = tuple(task_list)
+        # Ranked before the rows are made, and only the kept ones made.
+        ranked = sorted(stacks.items(), key=lambda kv: (-kv[1][0], kv[0][0], kv[0][1]))
+        stack_rows = tuple(
+            StackRow(v[3], k[0], v[4], k[1], v[0], v[1], v[2], v[5], v[6], k[2],
+                     _waker_rows(v[7]))
+            for k, v in ranked[: self._max_stacks]
         )
         return Snapshot(
             seq=seq,
@@ -604,7 +612,7 @@ class Aggregator:
             threshold_ns=threshold_ns,
             tasks=tasks,
             processes=group_processes(tasks, process_meta, meta_limit),
-            stacks=tuple(stack_rows[: self._max_stacks]),
+            stacks=stack_rows,
             long_blocks=tuple(long_blocks),
             blocked_now=tuple(sorted(blocked_now, key=lambda b: (-b.blocked_ns, b.tid))),
             stats=stats or CaptureStats(interval_s=interval_s),

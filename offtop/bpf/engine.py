@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ from offtop.model import (
     CaptureStats,
     Frame,
     LongBlock,
-    Sample,
+    RawSample,
     Snapshot,
     Waker,
 )
@@ -429,24 +429,17 @@ class BpfSource:
                                                             deadline)
         return _Row(total, count, mx, comm, kernel, user, before, w, start)
 
-    def _samples(self, rows: dict[tuple[int, ...], _Row]) -> list[Sample]:
+    def _samples(self, rows: dict[tuple[int, ...], _Row]) -> Iterator[RawSample]:
         """The interval's summed rows as the model's samples (once per key)."""
-        out = []
         comms = self._comms
         if len(comms) > 100_000:
             comms.clear()
         for key, r in rows.items():
-            tgid, tid, st = key[0], key[1], key[2]
             comm = comms.get(r.comm)
             if comm is None:
                 comm = comms[r.comm] = decode_comm(r.comm)
-            out.append(Sample(
-                pid=tgid, tid=tid, comm=comm, state=state_name(st),
-                offcpu_ns=r.total, count=r.count, max_ns=r.max_ns, kernel=r.kernel,
-                user=r.user, from_event=bool(key[-1]), start=r.start,
-                before_start=r.before, waker=r.waker,
-            ))
-        return out
+            yield (key[0], key[1], comm, state_name(key[2]), r.total, r.count, r.max_ns,
+                   r.kernel, r.user, bool(key[-1]), r.start, r.before, r.waker)
 
     # --- the snapshot -------------------------------------------------------
 
@@ -521,7 +514,7 @@ class BpfSource:
         if usyms is not None and self._seq % 10 == 0:
             usyms.evict()
         stacks.trim()
-        return self.aggregator.build(
+        return self.aggregator.build_raw(
             self._samples(iv.rows),
             time=time.time(),
             interval_s=elapsed,

@@ -36,7 +36,7 @@ class RowFrames:
         self._frames = frames
         self._wakers = wakers
         self._max = max_kept
-        self._kept: dict[tuple[int, ...], Resolved] = {}
+        self._kept: dict[tuple[int | bytes, ...], Resolved] = {}
         self._generation = -1
         self.hits = 0  #: rows resolved from what was kept (cumulative)
         self.misses = 0  #: rows resolved afresh (cumulative)

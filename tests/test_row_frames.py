@@ -1,0 +1,135 @@
+"""Summed rows' frames kept across intervals (offtop.bpf.row_frames): kept only while
+nothing in them can change, and never given to another process or another stack.
+
+The stack maps and symbolizers here are fakes (named so): the rules under test
+are Python's; tests/test_bpf_e2e.py runs the real probe.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from offtop.bpf import block_frames
+from offtop.bpf.block_frames import BlockFrames
+from offtop.bpf.row_frames import RowFrames
+from offtop.bpf.stack_store import StackStore
+from offtop.bpf.wakers import Wakers
+from offtop.model import Frame
+
+PID = os.getpid()
+NO_WAKER = (0, 0, -1, -1, 0, b"")
+
+
+class FakeStackMaps:
+    """Stack ids -> addresses, as the probe's maps would hold them."""
+
+    def __init__(self) -> None:
+        self.stacks = {("k", 1): (0xFFFF1,), ("u", 7): (0x401000, 0x402000),
+                       ("u", 8): (0x403000,)}
+
+    def stack(self, kind: str, sid: int) -> tuple[int, ...] | None:
+        return self.stacks.get((kind, sid))
+
+    def stack_ids(self, kind: str) -> list[int]:
+        return [sid for k, sid in self.stacks if k == kind]
+
+    def delete_stack(self, kind: str, sid: int) -> None:
+        self.stacks.pop((kind, sid), None)
+
+
+class FakeKernelSymbols:
+    def resolve_stack(self, addrs: Any) -> tuple[Frame, ...]:
+        return tuple(Frame(f"k{a:x}", kernel=True) for a in addrs)
+
+
+class FakeUserSymbols:
+    """Names addresses after the process's start time; 0x403000 never resolves."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def resolve_stack(self, pid: int, addrs: Any, *, deadline: float | None = None,
+                      start: int | None = None) -> tuple[Frame, ...]:
+        self.calls += 1
+        return tuple(Frame(f"0x{a:x}") if a == 0x403000 else Frame(f"f{a:x}@{start}", "m")
+                     for a in addrs)
+
+
+class FakePython:
+    def __init__(self, pids: set[int]) -> None:
+        self.pids = pids
+
+    def is_python(self, pid: int) -> bool:
+        return pid in self.pids
+
+    def of_site(self, tid: int, ustack: int) -> None:
+        return None
+
+    def of_block(self, tid: int, ts: int, *, pop: bool = False) -> None:
+        return None
+
+
+@pytest.fixture
+def rig(monkeypatch: pytest.MonkeyPatch) -> Any:
+    starts = {PID: 1000}
+    monkeypatch.setattr(block_frames, "task_start_time", lambda pid: starts.get(pid))
+    frames = BlockFrames(before=None)  # type: ignore[arg-type]  # no before-start rows here
+    usyms = FakeUserSymbols()
+    frames.stacks = StackStore(FakeStackMaps(), kernel_symbols=FakeKernelSymbols(),  # type: ignore[arg-type]
+                               user_symbols=usyms, capacity={"k": 4, "u": 4},  # type: ignore[arg-type]
+                               kernel_depth=64, user_depth=64)
+    rows = RowFrames(frames, Wakers(frames.kernel, lambda pid, sid: frames.user(pid, sid, None)))
+
+    class Rig:
+        pass
+
+    r = Rig()
+    r.frames, r.rows, r.usyms, r.starts = frames, rows, usyms, starts  # type: ignore[attr-defined]
+    return r
+
+
+def resolve(rig: Any, us: int = 7) -> Any:
+    rig.frames.new_subtick()
+    return rig.rows.resolve(PID, PID, 1, us, 1, NO_WAKER, float("inf"))
+
+
+def test_a_final_row_is_resolved_once_and_its_ids_stay_in_use(rig: Any) -> None:
+    first = resolve(rig)
+    assert [f.name for f in first[1]] == ["f401000@1000", "f402000@1000"]
+    rig.frames.stacks.next_interval(5)
+    again = resolve(rig)
+    assert again == first and again[1] is first[1]
+    assert rig.rows.hits == 1 and rig.usyms.calls == 1
+    # The hit stamped its ids as a resolution would: not reclaimable as unused.
+    assert rig.frames.stacks._last_use == {("k", 1): 5, ("u", 7): 5}
+
+
+def test_a_row_with_unresolved_frames_is_looked_at_again(rig: Any) -> None:
+    resolve(rig, us=8)
+    resolve(rig, us=8)
+    assert rig.rows.hits == 0 and len(rig.rows) == 0
+
+
+def test_a_reused_pid_is_another_process(rig: Any) -> None:
+    resolve(rig)
+    rig.starts[PID] = 2000  # the pid now names a process started later
+    user = resolve(rig)[1]
+    assert [f.name for f in user] == ["f401000@2000", "f402000@2000"]
+    assert rig.rows.hits == 0
+
+
+def test_deleted_stack_ids_forget_every_kept_row(rig: Any) -> None:
+    resolve(rig)
+    rig.frames.stacks.generation += 1  # what reclaim does once it deletes ids
+    resolve(rig)
+    assert rig.rows.hits == 0 and rig.rows.misses == 2
+
+
+def test_rows_of_a_python_process_are_never_kept(rig: Any) -> None:
+    rig.frames.python = FakePython({PID})
+    resolve(rig)
+    resolve(rig)
+    assert rig.rows.hits == 0 and len(rig.rows) == 0
