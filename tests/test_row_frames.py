@@ -16,7 +16,7 @@ from offtop.bpf import block_frames
 from offtop.bpf.block_frames import BlockFrames
 from offtop.bpf.row_frames import RowFrames
 from offtop.bpf.stack_store import StackStore
-from offtop.bpf.wakers import Wakers
+from offtop.bpf.wakers import Wakers, interrupt_path
 from offtop.model import Frame
 
 PID = os.getpid()
@@ -133,3 +133,23 @@ def test_rows_of_a_python_process_are_never_kept(rig: Any) -> None:
     resolve(rig)
     resolve(rig)
     assert rig.rows.hits == 0 and len(rig.rows) == 0
+
+
+def test_an_interrupts_waker_path_stops_at_its_entry(rig: Any) -> None:
+    """Two timer expiries that stopped different code are one waker: what was
+    interrupted says nothing of the wakeup."""
+    def frames(*names: str) -> tuple[Frame, ...]:
+        return tuple(Frame(n, kernel=True) for n in names)
+
+    path = ("try_to_wake_up", "hrtimer_wakeup", "__hrtimer_run_queues", "hrtimer_interrupt",
+            "__sysvec_apic_timer_interrupt", "sysvec_apic_timer_interrupt",
+            "asm_sysvec_apic_timer_interrupt")
+    stacks = {3: frames(*path, "pv_native_safe_halt", "default_idle"),
+              4: frames(*path, "copy_user_generic", "ksys_read")}
+    wakers = Wakers(lambda sid: stacks[sid], lambda pid, sid: ())  # 2 << 24: an interrupt
+    a = wakers.waker((0, 0, -1, 3, 2 << 24, b""))
+    b = wakers.waker((0, 0, -1, 4, 2 << 24, b""))
+    assert a is not None and a == b and a.kind == "timer"
+    assert [f.name for f in a.kernel] == list(path)
+    # A stack with no entry frame (a softirq in ksoftirqd) is kept whole.
+    assert interrupt_path(stacks[3][:2]) == stacks[3][:2]

@@ -10,8 +10,13 @@ CPU. A key's resolution is kept here once nothing about it can change:
   budget: those are looked at again, `StackStore.final`);
 - no Python frames are spliced into it (those are sampled per sub-tick);
 - it did not begin before offtop started (that record is taken once);
-- the process (and the waker's) is known by its start time, which is part
-  of the key: a reused pid is another process and misses.
+- the process is known by its start time, which is part of the key: a
+  reused pid is another process and misses.
+
+Wakers are kept apart, by their raw form (ids, name, the waking process's
+start time), on the same terms: a thread's stack is woken by many wakers,
+and the waker's stacks are those of the latest block, so one key for both
+would miss at nearly every row.
 
 The stack store renumbers nothing behind a kept entry: deleted ids (and a
 cleared cache) bump its `generation`, which empties this one. A hit stamps
@@ -36,7 +41,8 @@ class RowFrames:
         self._frames = frames
         self._wakers = wakers
         self._max = max_kept
-        self._kept: dict[tuple[int | bytes, ...], Resolved] = {}
+        self._kept: dict[tuple[int, ...], tuple[tuple[Frame, ...], tuple[Frame, ...], bool]] = {}
+        self._wakers_kept: dict[tuple[int | bytes, ...], Waker | None] = {}
         self._generation = -1
         self.hits = 0  #: rows resolved from what was kept (cumulative)
         self.misses = 0  #: rows resolved afresh (cumulative)
@@ -52,42 +58,41 @@ class RowFrames:
         assert stacks is not None
         if stacks.generation != self._generation:
             self._kept.clear()
+            self._wakers_kept.clear()
             self._generation = stacks.generation
         start = frames.start_of(tgid)
-        wtgid, wus, wks = waker[0], waker[2], waker[3]
-        wstart = frames.start_of(wtgid) if wtgid > 0 and wus >= 0 else 0
-        key = (tgid, start, tid, st, us, ks, wtgid, wstart, waker[1], wus, wks, waker[4],
-               waker[5])
         py = frames.python
+        python = py is not None and py.is_python(tgid)
+        key = (tgid, start, tid, st, us, ks)
         hit = self._kept.get(key)
-        if hit is not None and not (py is not None and py.is_python(tgid)):
+        if hit is not None and not python:
             stacks.touch(ks, us)
-            if wtgid > 0:
-                stacks.touch(wks, wus)
             self.hits += 1
-            return hit
-        self.misses += 1
-        kernel, user, before = frames.frames_of(tgid, tid, st, us, ks, deadline)
-        w = self._wakers.waker(waker)
-        resolved = (kernel, user, before, w, start)
-        if self._keeps(tgid, start, st, us, ks, waker, wstart, user):
-            if len(self._kept) >= self._max:
-                self._kept.clear()
-            self._kept[key] = resolved
-        return resolved
+            kernel, user, before = hit
+        else:
+            self.misses += 1
+            kernel, user, before = frames.frames_of(tgid, tid, st, us, ks, deadline)
+            if (start and not python and not st & ST_BEFORE_START and not frames.gave_up()
+                    and stacks.final(tgid, start, us)):
+                if len(self._kept) >= self._max:
+                    self._kept.clear()
+                self._kept[key] = (kernel, user, before)
+        return kernel, user, before, self._waker(waker), start
 
-    def _keeps(self, tgid: int, start: int, st: int, us: int, ks: int, waker: RawWaker,
-               wstart: int, user: tuple[Frame, ...]) -> bool:
-        """Whether a resolution can be kept: nothing in it can change (module docstring)."""
+    def _waker(self, raw: RawWaker) -> Waker | None:
         frames = self._frames
         stacks = frames.stacks
         assert stacks is not None
-        if not start or st & ST_BEFORE_START or frames.gave_up():
-            return False
-        py = frames.python
-        if py is not None and py.is_python(tgid):
-            return False
-        if not stacks.final(tgid, start, us):
-            return False
-        wtgid, wus = waker[0], waker[2]
-        return not (wtgid > 0 and wus >= 0 and not (wstart and stacks.final(wtgid, wstart, wus)))
+        wtgid, wus, wks = raw[0], raw[2], raw[3]
+        wstart = frames.start_of(wtgid) if wtgid > 0 and wus >= 0 else 0
+        key = (*raw, wstart)
+        if key in self._wakers_kept:
+            stacks.touch(wks, wus)
+            return self._wakers_kept[key]
+        w = self._wakers.waker(raw)
+        if ((wstart or wus < 0) and not frames.gave_up()
+                and (wus < 0 or stacks.final(wtgid, wstart, wus))):
+            if len(self._wakers_kept) >= self._max:
+                self._wakers_kept.clear()
+            self._wakers_kept[key] = w
+        return w

@@ -44,6 +44,16 @@ def interrupt_kind(kernel: tuple[Frame, ...]) -> tuple[str, str]:
     return "interrupt", ""
 
 
+def interrupt_path(kernel: tuple[Frame, ...]) -> tuple[Frame, ...]:
+    """An interrupt's kernel stack up to its entry (`asm_sysvec_apic_timer_interrupt`, ...):
+    below it is whatever the interrupt happened to stop, which says nothing of the
+    wakeup and would make each timer expiry a waker of its own."""
+    for i, f in enumerate(kernel):
+        if f.name.startswith("asm_"):
+            return kernel[: i + 1]
+    return kernel
+
+
 class Wakers:
     """Turns raw wakers into the model's, one object per distinct waker (cached).
 
@@ -75,7 +85,7 @@ class Wakers:
             return hit[0]
         if kind != "task":
             kind, work = interrupt_kind(kernel)
-            w = Waker(0, 0, work, kind, kernel)
+            w = Waker(0, 0, work, kind, interrupt_path(kernel))
         else:
             w = Waker(tgid, tid, decode_comm(comm), kind, kernel, user)
         if len(self._cache) >= self._max:
