@@ -56,6 +56,10 @@ class BatchFormat(Protocol):
         ...
 
 
+#: Stacks a text report shows per interval.
+TEXT_TOP_STACKS = 5
+
+
 class IntervalReports:
     """text, json or folded: one report per interval, nothing at the end."""
 
@@ -65,13 +69,20 @@ class IntervalReports:
         self.wakers = wakers  # folded: offwaketime-style merged stacks
         self.notices_to_stderr = fmt != "text"
 
+    @property
+    def stacks_shown(self) -> int:
+        """How many top stacks an interval's report shows (0: all of them)."""
+        if self.fmt == "json":
+            return self.limit
+        return TEXT_TOP_STACKS if self.fmt == "text" else 0
+
     def interval(self, snap: Snapshot) -> str:
         if self.fmt == "json":
             return snapshot_json_line(snap, limit=self.limit)
         if self.fmt == "folded":
             lines = folded_lines(snap, wakers=self.wakers)
             return "\n".join(lines) + "\n" if lines else ""
-        return text_report(snap) + "\n\n"
+        return text_report(snap, top_stacks=TEXT_TOP_STACKS) + "\n\n"
 
     def end(self) -> bytes:
         return b""

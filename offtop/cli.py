@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from offtop.batch import make_format, run_batch
+from offtop.batch import IntervalReports, make_format, run_batch
 from offtop.bpf.config import EngineError
 from offtop.bpf.environment import EnvironmentProblem, check_host_view, memory_problem
 from offtop.cli_args import (
@@ -172,6 +172,14 @@ def _run_batch(streams: StdStreams, run: _Run) -> int:
         interval = 0.0  # a recording written elsewhere than a terminal: no need to wait
     fmt = make_format(args.format, limit=run.limit, wakers=args.folded_wakers,
                       cgroup_name=run.cgroup_name)
+    shown = fmt.stacks_shown if isinstance(fmt, IntervalReports) else 0
+    if shown and not run.outputs and not args.replay:
+        from offtop.bpf.engine import BpfSource
+
+        if isinstance(run.source, BpfSource):
+            # Only the top stacks are printed and no recording or push reads
+            # the rest: their rows are not made (they are counted as omitted).
+            run.source.aggregator.max_stacks = shown
     fd = 1 if run.out_fd is None else run.out_fd
     name = "stdout" if run.out_fd is None else f"-o {args.output}"
     return run_batch(run.source, fmt, interval, run.count, fd=fd, name=name,

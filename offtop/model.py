@@ -374,6 +374,9 @@ class Snapshot:
     notices: tuple[str, ...] = ()
     #: Set once nothing the run was asked to watch is left: why.
     finished: str = ""
+    #: Stacks of the interval ranked below those in `stacks` and left out (the
+    #: aggregator's `max_stacks`): counted, never dropped silently.
+    omitted_stacks: int = 0
 
     @property
     def total_offcpu_ns(self) -> int:
@@ -470,7 +473,10 @@ class Aggregator:
         self._totals: dict[int, _Total] = {}
         self._seq = 0
         self._forget_after = forget_after
-        self._max_stacks = max_stacks
+        #: At most this many stacks are made into rows per snapshot (the top ones;
+        #: the rest counted in `Snapshot.omitted_stacks`). Batch output that shows
+        #: only the top N sets it to N: rows nobody reads are not made.
+        self.max_stacks = max_stacks
         self._max_threads = max_threads
         self._chains = _FrameTupleNumbers()
 
@@ -603,7 +609,7 @@ class Aggregator:
         stack_rows = tuple(
             StackRow(v[3], k[0], v[4], k[1], v[0], v[1], v[2], v[5], v[6], k[2],
                      _waker_rows(v[7]))
-            for k, v in ranked[: self._max_stacks]
+            for k, v in ranked[: self.max_stacks]
         )
         return Snapshot(
             seq=seq,
@@ -618,6 +624,7 @@ class Aggregator:
             stats=stats or CaptureStats(interval_s=interval_s),
             notices=tuple(notices),
             finished=finished,
+            omitted_stacks=len(ranked) - len(stack_rows),
         )
 
     def _forget(self, seq: int) -> None:

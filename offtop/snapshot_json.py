@@ -123,7 +123,7 @@ def snapshot_to_json(snap: Snapshot, *, limit: int = 0) -> dict[str, Any]:
         "finished": snap.finished,
         "omitted": {"tasks": len(snap.tasks) - len(tasks),
                     "processes": len(snap.processes) - len(processes),
-                    "stacks": len(snap.stacks) - len(stacks)},
+                    "stacks": len(snap.stacks) - len(stacks) + snap.omitted_stacks},
         "stats": stats_to_json(snap.stats),
         "tasks": [
             {
@@ -487,7 +487,13 @@ def snapshot_from_json(d: object) -> Snapshot:
         stats=_stats(o.obj("stats"), interval_s),
         notices=tuple(o.texts("notices", [])),
         finished=o.text("finished", ""),
+        omitted_stacks=_omitted_stacks(o),
     )
+
+
+def _omitted_stacks(o: JsonObject) -> int:
+    omitted = o.obj("omitted")
+    return omitted.count("stacks", 0) if omitted is not None else 0
 
 
 def _refuse_constant(name: str) -> float:

@@ -293,3 +293,14 @@ def test_folded_output_is_flamegraph_ready(workloads: Any) -> None:
     assert frames.index("sleep_thread") < frames.index("offtop_wl_sleep")  # outermost first
     assert frames.index("offtop_wl_sleep") < frames.index("do_nanosleep")  # user before kernel
     assert int(value) > 0
+
+
+def test_limited_json_counts_the_stacks_it_left_out(workloads: Any) -> None:
+    """`--limit 2`: rows beyond the top two are not made, but counted as omitted
+    (the machine's own sleepers are many more than two stacks a second)."""
+    w = workloads("sleep", "20", "100")
+    snaps = offtop_json("--limit", "2", count=2, interval="0.5")
+    w.proc.kill()
+    for d in snaps:
+        assert len(d["stacks"]) == 2 and d["omitted"]["stacks"] > 0, d["omitted"]
+        assert d["stacks"][0]["offcpu_ns"] >= d["stacks"][1]["offcpu_ns"]

@@ -239,3 +239,23 @@ def test_since_start_sums_every_snapshot_and_stays_bounded() -> None:
     kept = small.ranked()
     assert [r.tid for r in kept] == [5, 4, 3]
     assert small.dropped_ns == 1 + 2
+
+
+def test_a_stack_cap_keeps_the_top_rows_and_counts_the_rest() -> None:
+    """Batch output that prints the top N asks for N rows: the others are counted,
+    in the snapshot and in JSON (also read back), never dropped silently."""
+    from offtop.snapshot_json import snapshot_from_json, snapshot_to_json
+
+    samples = [s(10 + i, 100 * (i + 1), user=(Frame(f"f{i}", "wl"),)) for i in range(6)]
+    whole = build(Aggregator(), samples)
+    agg = Aggregator()
+    agg.max_stacks = 2
+    top = build(agg, samples)
+    assert top.stacks == whole.stacks[:2] and top.omitted_stacks == 4
+    assert top.tasks == whole.tasks  # tasks are all there
+    d = snapshot_to_json(top, limit=1)
+    assert len(d["stacks"]) == 1 and d["omitted"]["stacks"] == 5
+    back = snapshot_from_json(d)
+    assert back.omitted_stacks == 5
+    assert snapshot_to_json(back)["omitted"]["stacks"] == 5
+    assert whole.omitted_stacks == 0
