@@ -390,6 +390,21 @@ def test_hash_map_operations(new_map: Any, mtype: int) -> None:
 
 
 @pytest.mark.bpf
+def test_an_element_reader_answers_as_the_map_does(new_map: Any) -> None:
+    """The stack store's cheap lookups: the same values, absent keys, bad keys."""
+    m = new_map(maps.LRU_HASH, 4, 24, 64)
+    reader = maps.ElementReader(m)
+    assert reader.lookup(u32(1)) is None
+    m.update(u32(1), u64(1) + u64(2) + u64(3))
+    m.update(u32(2), u64(7) * 3)
+    for k in (1, 2, 1):  # buffers reused: no value leaks into the next answer
+        assert reader.lookup(u32(k)) == m.lookup(u32(k))
+    assert reader.lookup(u32(3)) is None
+    with pytest.raises(ValueError):
+        reader.lookup(b"\0")
+
+
+@pytest.mark.bpf
 def test_lookup_and_delete_batch_falls_back_to_a_walk(new_map: Any) -> None:
     m = new_map(maps.HASH, 4, 8, 64)
     for i in range(10):

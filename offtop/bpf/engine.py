@@ -349,11 +349,14 @@ class BpfSource:
         iv = self._interval
         rows = iv.rows
         accepts = self.targets.accepts
-        gave_up = self.frames.gave_up
+        # Asked once a sub-tick, not per row: rows resolved after a stop came
+        # within it get the not-resolved mark anyway (BlockFrames.frames_of).
+        stopping = self.frames.gave_up()
         for tgid, tid, st, us, ks, total, count, mx, comm, waker in self.probe.drain_aggregates():
-            key = (tgid, tid, st, us, ks, waker[0], waker[1], waker[4], 0)
-            if gave_up():  # stopping: a row per thread and state, its stacks not resolved
+            if stopping:  # a row per thread and state, its stacks not resolved
                 key = (tgid, tid, st, -1, -1, 0, 0, 0, 0)
+            else:
+                key = (tgid, tid, st, us, ks, waker[0], waker[1], waker[4], 0)
             row = rows.get(key)
             if row is not None:
                 row.total += total

@@ -196,6 +196,36 @@ def map_info(fd: int) -> MapInfo:
     return info
 
 
+class ElementReader:
+    """Lookups in one map by one thread, cheap: the key and value buffers and the
+    system call's arguments are made once (a lookup in `BpfMap` makes them per
+    call, so that any thread may call it). The stack store reads a few thousand
+    stacks a second on a busy server this way."""
+
+    def __init__(self, m: BpfMap) -> None:
+        self.map = m
+        self._key = ct.create_string_buffer(m.key_size)
+        self._value = ct.create_string_buffer(m.value_bytes)
+        self._attr = _ElemAttr(map_fd=m.fd, key=ct.addressof(self._key),
+                               value=ct.addressof(self._value), flags=0)
+        self._key_size = m.key_size
+        self._args = (syscalls.number(syscalls.BPF, "bpf"), syscalls.BPF_MAP_LOOKUP_ELEM,
+                      ct.byref(self._attr), ct.sizeof(self._attr))
+        self._syscall = syscalls.libc().syscall
+
+    def lookup(self, key: bytes) -> bytes | None:
+        """The value at `key`, None if absent (`BpfMap.lookup`'s contract)."""
+        if len(key) != self._key_size:
+            raise ValueError(f"key is {len(key)} bytes, the map's is {self._key_size}")
+        ct.memmove(self._key, key, self._key_size)
+        if self._syscall(*self._args) < 0:
+            err = ct.get_errno()
+            if err == errno.ENOENT:
+                return None
+            raise _fail(err, f"lookup in {self.map.name}")
+        return self._value.raw
+
+
 class BpfMap:
     """One map, by fd, with its definition; keys and values are bytes.
 

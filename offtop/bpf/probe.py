@@ -37,7 +37,7 @@ from offtop.bpf.decode import (
 from offtop.bpf.loader.cache import DEFAULT_DIR, ArtifactCache
 from offtop.bpf.loader.kernel import LoadedObject, LoadFailed
 from offtop.bpf.loader.load import Compile, LoadReport, load_object
-from offtop.bpf.maps import BPF_NOEXIST, BpfMap
+from offtop.bpf.maps import BPF_NOEXIST, BpfMap, ElementReader
 
 PROBE_FUNCTION = "tracepoint__sched__sched_switch"
 #: Attached by hand, after the sched_waking probe bcc's naming rule attaches (offcpu.c).
@@ -86,6 +86,7 @@ class Probe:
         self._acc_mm: mmap.mmap | None = None
         self.prog_fd = -1
         self._gen = 0
+        self._stack_readers: dict[str, ElementReader] = {}
         #: How the program was obtained (cache hit or compile) and what it cost.
         self.report = LoadReport()
 
@@ -284,9 +285,13 @@ class Probe:
         return self._map("kernel_stacks" if kind == "k" else "user_stacks")
 
     def stack(self, kind: str, sid: int) -> tuple[int, ...] | None:
-        """The addresses of stack `sid` ('k' or 'u'), innermost first; None if absent."""
-        table = self._stack_table(kind)
-        raw = table.lookup(_U32.pack(sid & 0xFFFFFFFF))
+        """The addresses of stack `sid` ('k' or 'u'), innermost first; None if absent.
+
+        From the engine's thread only (one reader per map, buffers reused)."""
+        reader = self._stack_readers.get(kind)
+        if reader is None:
+            reader = self._stack_readers[kind] = ElementReader(self._stack_table(kind))
+        raw = reader.lookup(_U32.pack(sid & 0xFFFFFFFF))
         if raw is None:
             return None
         ips = struct.unpack(f"<{len(raw) // 8}Q", raw)
