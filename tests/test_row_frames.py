@@ -153,3 +153,14 @@ def test_an_interrupts_waker_path_stops_at_its_entry(rig: Any) -> None:
     assert [f.name for f in a.kernel] == list(path)
     # A stack with no entry frame (a softirq in ksoftirqd) is kept whole.
     assert interrupt_path(stacks[3][:2]) == stacks[3][:2]
+
+
+def test_rows_not_asked_for_in_a_whole_interval_are_dropped(rig: Any) -> None:
+    resolve(rig)
+    rig.rows.next_interval()
+    resolve(rig)  # asked for again: kept on
+    rig.rows.next_interval()
+    rig.rows.next_interval()
+    assert rig.rows.hits == 1 and len(rig.rows) == 0  # a process gone: nothing left
+    resolve(rig)
+    assert rig.rows.misses == 2

@@ -474,6 +474,7 @@ class BpfSource:
         assert stacks is not None and self._ring is not None and self._stats is not None
         self._seq += 1
         stacks.next_interval(self._seq)
+        self._rows.next_interval()
         assert self._blocked is not None
         blocked, live = self.frames.blocked_now(
             self._blocked, self.targets.accepts, symbol_budget_s=self.config.symbol_budget_s,

@@ -21,6 +21,8 @@ would miss at nearly every row.
 The stack store renumbers nothing behind a kept entry: deleted ids (and a
 cleared cache) bump its `generation`, which empties this one. A hit stamps
 its ids as used, as a resolution would, so that they are not reclaimed.
+What no row has asked for in a whole interval is dropped (`next_interval`):
+with process churn, the rows of processes gone would pile up.
 """
 
 from __future__ import annotations
@@ -43,12 +45,21 @@ class RowFrames:
         self._max = max_kept
         self._kept: dict[tuple[int, ...], tuple[tuple[Frame, ...], tuple[Frame, ...], bool]] = {}
         self._wakers_kept: dict[tuple[int | bytes, ...], Waker | None] = {}
+        # What was kept in the interval before: moved back into the above when
+        # asked for, dropped at the next interval if not.
+        self._old: dict[tuple[int, ...], tuple[tuple[Frame, ...], tuple[Frame, ...], bool]] = {}
+        self._wakers_old: dict[tuple[int | bytes, ...], Waker | None] = {}
         self._generation = -1
         self.hits = 0  #: rows resolved from what was kept (cumulative)
         self.misses = 0  #: rows resolved afresh (cumulative)
 
     def __len__(self) -> int:
-        return len(self._kept)
+        return len(self._kept) + len(self._old)
+
+    def next_interval(self) -> None:
+        """What was not asked for since the last call is dropped at the next."""
+        self._old, self._kept = self._kept, {}
+        self._wakers_old, self._wakers_kept = self._wakers_kept, {}
 
     def resolve(self, tgid: int, tid: int, st: int, us: int, ks: int, waker: RawWaker,
                 deadline: float) -> Resolved:
@@ -57,14 +68,17 @@ class RowFrames:
         stacks = frames.stacks
         assert stacks is not None
         if stacks.generation != self._generation:
-            self._kept.clear()
-            self._wakers_kept.clear()
+            self._kept, self._wakers_kept, self._old, self._wakers_old = {}, {}, {}, {}
             self._generation = stacks.generation
         start = frames.start_of(tgid)
         py = frames.python
         python = py is not None and py.is_python(tgid)
         key = (tgid, start, tid, st, us, ks)
         hit = self._kept.get(key)
+        if hit is None:
+            hit = self._old.pop(key, None)
+            if hit is not None:
+                self._kept[key] = hit
         if hit is not None and not python:
             stacks.touch(ks, us)
             self.hits += 1
@@ -86,6 +100,8 @@ class RowFrames:
         wtgid, wus, wks = raw[0], raw[2], raw[3]
         wstart = frames.start_of(wtgid) if wtgid > 0 and wus >= 0 else 0
         key = (*raw, wstart)
+        if key not in self._wakers_kept and key in self._wakers_old:
+            self._wakers_kept[key] = self._wakers_old.pop(key)
         if key in self._wakers_kept:
             stacks.touch(wks, wus)
             return self._wakers_kept[key]
