@@ -30,7 +30,7 @@ from offtop.bpf.blocked import BlockedNowReader
 from offtop.bpf.budget import SelfCost
 from offtop.bpf.compiler_memory import release_compiler_memory
 from offtop.bpf.config import EngineConfig, EngineError
-from offtop.bpf.decode import EVENT_STRUCT, ST_BEFORE_START, decode_comm, state_name
+from offtop.bpf.decode import EVENT_STRUCT, ST_BEFORE_START, STATE_BITS, decode_comm, state_name
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.perf_ring import PerfRing
 from offtop.bpf.probe import Probe
@@ -437,12 +437,13 @@ class BpfSource:
         comms = self._comms
         if len(comms) > 100_000:
             comms.clear()
+        states = STATE_BITS  # state_name(), inlined: once per row
         for key, r in rows.items():
             comm = comms.get(r.comm)
             if comm is None:
                 comm = comms[r.comm] = decode_comm(r.comm)
-            yield (key[0], key[1], comm, state_name(key[2]), r.total, r.count, r.max_ns,
-                   r.kernel, r.user, bool(key[-1]), r.start, r.before, r.waker)
+            yield (key[0], key[1], comm, states.get(key[2] & 0x1FF, "?"), r.total, r.count,
+                   r.max_ns, r.kernel, r.user, bool(key[-1]), r.start, r.before, r.waker)
 
     # --- the snapshot -------------------------------------------------------
 

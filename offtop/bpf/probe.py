@@ -69,10 +69,6 @@ def default_cache() -> ArtifactCache:
     return ArtifactCache(Path(os.environ.get("OFFTOP_CACHE_DIR") or DEFAULT_DIR))
 
 
-def _comm(raw: bytes) -> bytes:
-    return raw.split(b"\0", 1)[0]
-
-
 class Probe:
     """The BPF side of offtop (see offcpu.c), behind a small API."""
 
@@ -241,8 +237,10 @@ class Probe:
         for k, v in zip(_AGG_KEY.iter_unpack(keys), _AGG_VAL.iter_unpack(values), strict=True):
             tgid, tid, us, ks, st, wtgid, wtid, what = k
             total, mx, count, comm, wcomm, wus, wks = v
-            yield (tgid, tid, st, us, ks, total, count, mx, _comm(comm),
-                   (wtgid, wtid, wus, wks, what, _comm(wcomm)))
+            # Comms as the kernel wrote them, NUL-padded: decoded once per name
+            # (decode_comm), not split per row.
+            yield (tgid, tid, st, us, ks, total, count, mx, comm,
+                   (wtgid, wtid, wus, wks, what, wcomm))
         assert self._acc_mm is not None
         for a in generation_sums(self._acc_mm, self.config.start_entries, old):
             w = a.w
