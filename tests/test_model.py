@@ -259,3 +259,13 @@ def test_a_stack_cap_keeps_the_top_rows_and_counts_the_rest() -> None:
     assert back.omitted_stacks == 5
     assert snapshot_to_json(back)["omitted"]["stacks"] == 5
     assert whole.omitted_stacks == 0
+
+
+def test_a_small_stack_cap_ranks_as_the_whole_list_does_ties_included() -> None:
+    samples = [s(10 + i, 100 * (i % 3 + 1), user=(Frame(f"f{i}", "wl"),)) for i in range(40)]
+    whole = build(Aggregator(), samples)
+    for cap in (1, 3, 7):
+        agg = Aggregator()
+        agg.max_stacks = cap  # under a quarter of the stacks: cut by time first
+        top = build(agg, samples)
+        assert top.stacks == whole.stacks[:cap] and top.omitted_stacks == 40 - cap

@@ -52,7 +52,11 @@ def waits() -> Iterator[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def snaps(waits: dict[str, Any]) -> list[dict[str, Any]]:
-    return offtop_json("-p", str(waits["pid"]), "--threshold", "1s", count=4)
+    # Not a whole number of the workload's 50 ms cycles: at a 1 s interval every
+    # snapshot fell at the same point of the cycle, and when that was within
+    # the 5 ms after the wakeups (blocked-now's floor), no snapshot ever saw
+    # the woken threads blocked.
+    return offtop_json("-p", str(waits["pid"]), "--threshold", "1s", count=4, interval="0.73")
 
 
 def py_names(frames: list[str]) -> list[str]:
@@ -67,8 +71,11 @@ def test_each_waiting_function_is_in_blocked_now_and_in_the_stacks(
         tid = tids[fn]
         blocked = [b for s in snaps for b in s["blocked_now"] if b["tid"] == tid]
         stacks = [st for s in snaps for st in s["stacks"] if st["tid"] == tid]
-        assert any(fn in py_names(b["user"]) for b in blocked), (fn, [b["user"] for b in blocked])
-        assert any(fn in py_names(st["user"]) for st in stacks), (fn, [st["user"] for st in stacks])
+        seen = sorted({r["tid"] for s in snaps for r in (*s["blocked_now"], *s["stacks"])})
+        assert any(fn in py_names(b["user"]) for b in blocked), (
+            "blocked now", fn, tid, [b["user"] for b in blocked], seen)
+        assert any(fn in py_names(st["user"]) for st in stacks), (
+            "stacks", fn, tid, [st["user"] for st in stacks], seen)
     # The library functions they wait in, as Python frames too.
     q = [b for s in snaps for b in s["blocked_now"] if b["tid"] == tids["wait_in_queue_get"]]
     assert any("Queue.get" in py_names(b["user"]) for b in q)

@@ -145,7 +145,11 @@ class BlockFrames:
                 continue
             before = bool(b.state & ST_BEFORE_START)
             unwound_known = False
-            if self.unwound is not None:
+            # A stack the probe already has whole needs no unwinding (on a busy
+            # server that was most of the unwinder's work, every snapshot).
+            whole = not before and self.stacks is not None and self.stacks.whole(
+                b.pid, self.start_of(b.pid), b.ustack)
+            if self.unwound is not None and not whole:
                 with unwinding:
                     unwound_known = self.unwound.unwind(b.pid, b.tid, b.ts, b.ubp,
                                                         unwinding.deadline())

@@ -129,6 +129,15 @@ class StackStore:
         key = ("u", sid, pid, start)
         return key in self._frames and key not in self._retry
 
+    def whole(self, pid: int, start: int, sid: int) -> bool:
+        """Whether the user frames of `sid` in process (`pid`, `start`) are final and
+        reach the stack's end (not cut, not at the depth limit): nothing left for
+        an unwinder to add."""
+        if sid < 0 or not self.final(pid, start, sid):
+            return False
+        frames = self._frames[("u", sid, pid, start)]
+        return bool(frames) and frames[-1].name not in (MARK_TRUNCATED, MARK_DEPTH_LIMIT)
+
     def kernel(self, sid: int) -> tuple[Frame, ...]:
         """The kernel frames of id `sid` (() for none)."""
         if sid < 0 or self.kernel_symbols is None:
