@@ -689,3 +689,30 @@ def test_user_strings_never_reach_the_compiled_text(monkeypatch: pytest.MonkeyPa
     assert seen["cflags"] == split_constants(cfg.cflags())[0]
     blob = seen["text"] + "\n".join(seen["cflags"])
     assert hostile not in blob and str(os.getpid()) not in "\n".join(seen["cflags"])
+
+
+_CHILD_DROP = """
+import ctypes, importlib.util, sys
+spec = importlib.util.spec_from_file_location("child", sys.argv[1])
+child = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(child)
+def rss_kb():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS"))
+ctypes.CDLL("libbcc.so.0")
+before = rss_kb()
+dropped = child._drop_pages_loading_touched()
+print(dropped, before, rss_kb())
+"""
+
+
+@pytest.mark.bpf
+def test_compiler_process_gives_back_what_loading_llvm_touched(bpf_available: None) -> None:
+    """The compiler process runs isolated (-I: nothing of offtop on its path), finds
+    compiler_memory.py by its path, and drops the clean LLVM pages dlopen faulted in
+    (~34 MB here; each MB of it would add to offtop's peak while the compile runs)."""
+    child = ROOT / "offtop" / "bpf" / "loader" / "bcc_child.py"
+    r = subprocess.run([sys.executable, "-I", "-c", _CHILD_DROP, str(child)],
+                       capture_output=True, text=True, timeout=60, check=True)
+    dropped, before, after = map(int, r.stdout.split())
+    assert dropped > 0
+    assert before - after >= 10 * 1024, (before, after)
