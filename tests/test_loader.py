@@ -716,3 +716,75 @@ def test_compiler_process_gives_back_what_loading_llvm_touched(bpf_available: No
     dropped, before, after = map(int, r.stdout.split())
     assert dropped > 0
     assert before - after >= 10 * 1024, (before, after)
+
+
+def _bcc_child() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bcc_child", compiler.CHILD)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_helper_symbols_are_the_bpf_lines_as_they_are() -> None:
+    kallsyms = (b"ffffffff81000000 T _stext\n"
+                b"ffffffff814cb760 T bpf_probe_read_kernel\n"
+                b"ffffffff814cb7c0 T __pfx_bpf_probe_read_kernel_str\n"
+                b"ffffffff814cb800 t bpf_probe_read_kernel_str\n"
+                b"ffffffffc0001000 t helper_bpf_x\t[some_mod]\n"
+                b"ffffffffc0002000 t bpf_in_module\t[bpf_mod]\n"
+                b"ffffffff814ce250 T bpf_probe_read_user")  # the last line, no newline
+    assert _bcc_child().helper_symbols(kallsyms) == (
+        b"ffffffff814cb760 T bpf_probe_read_kernel\n"
+        b"ffffffff814cb800 t bpf_probe_read_kernel_str\n"
+        b"ffffffffc0002000 t bpf_in_module\t[bpf_mod]\n"
+        b"ffffffff814ce250 T bpf_probe_read_user\n")
+
+
+_TWO_COMPILES = """
+import ctypes, importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("child", sys.argv[1])
+child = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(child)
+req = json.loads(sys.stdin.read())
+lib = ctypes.CDLL("libbcc.so.0", use_errno=True)
+child._declare(lib)
+full = child.compile_module(lib, req["source"], req["cflags"])
+bound = child._show_bcc_only_helper_symbols()
+with open("/proc/kallsyms", "rb") as f:
+    seen = f.read()
+only = child.compile_module(lib, req["source"], req["cflags"])
+print(json.dumps({"full": full, "only": only, "bound": bound,
+                  "seen_lines": seen.count(b"\\n"), "all_bpf": all(
+                      l.split()[2].startswith(b"bpf_") for l in seen.splitlines())}))
+"""
+
+
+@pytest.mark.bpf
+def test_bcc_sees_only_bpf_symbols_and_compiles_the_same(bpf_available: None) -> None:
+    """The compiler process binds the bpf_* lines of kallsyms over /proc/kallsyms in a
+    mount namespace of its own: bcc compiles exactly what it compiled from the whole
+    file, and nothing of it is seen outside (no mount, no file left in /tmp)."""
+    from offtop.bpf import environment
+
+    choice = environment.find_kernel_headers()
+    env = {**os.environ, **({"BCC_KERNEL_SOURCE": choice.source_env} if choice.source_env else {})}
+    src = resources.files("offtop.bpf").joinpath("offcpu.c").read_text()
+    flags, _ = split_constants(EngineConfig().cflags())
+    mounts, leftovers = Path("/proc/self/mounts").read_text(), set(Path("/tmp").glob("offtop-kallsyms-*"))
+    r = subprocess.run([sys.executable, "-I", "-c", _TWO_COMPILES, str(compiler.CHILD)],
+                       input=json.dumps({"source": src, "cflags": flags}), capture_output=True,
+                       text=True, env=env, timeout=300, check=True)
+    out = json.loads(r.stdout)
+    assert out["bound"] and out["all_bpf"] and 0 < out["seen_lines"] < 20_000, out["seen_lines"]
+    ident = {"bcc": "0.26.0", "libbcc": ["/x", 1, 2]}  # as main() adds it
+    programs = [artifact_from_module({**out[k], "compiler": ident}, KEY, {}).programs
+                for k in ("full", "only")]
+    assert programs[0] == programs[1]
+    assert Path("/proc/self/mounts").read_text() == mounts
+    assert set(Path("/tmp").glob("offtop-kallsyms-*")) == leftovers
+    assert Path("/proc/kallsyms").stat().st_size == 0  # procfs's own file, not a bound one
+    with open("/proc/kallsyms", "rb") as f:
+        assert f.read().count(b"\n") > out["seen_lines"]
