@@ -788,3 +788,29 @@ def test_bcc_sees_only_bpf_symbols_and_compiles_the_same(bpf_available: None) ->
     assert Path("/proc/kallsyms").stat().st_size == 0  # procfs's own file, not a bound one
     with open("/proc/kallsyms", "rb") as f:
         assert f.read().count(b"\n") > out["seen_lines"]
+
+
+@pytest.mark.bpf
+def test_setup_compiles_what_a_start_with_no_options_loads(bpf_available: None,
+                                                          tmp_path: Path) -> None:
+    """`make setup` (loader.precompile) fills the cache with the program `offtop` loads
+    when given no option: its first start is a hit; other options still compile."""
+    from offtop.bpf.loader.precompile import default_config, precompile
+
+    cache = ArtifactCache(tmp_path / "offtop")
+    said = precompile(default_config(), cache)
+    assert said.startswith("compiled offtop's BPF program into")
+    assert precompile(default_config(), cache) == ""  # quiet once it is there
+    from offtop.bpf.probe import Probe
+    from offtop.cli_args import build_parser, config_from_args
+
+    batch = config_from_args(build_parser().parse_args(["--batch", "--format", "json"]))[0]
+    assert batch.cflags() == default_config().cflags()  # the bench's start is such a start
+    comp = CountingCompiler()
+    q = Probe(default_config(), cache=cache, compile=comp)
+    q.load(1_000_000)
+    q.close()
+    assert comp.calls == 0 and q.report.how == "cache hit", q.report
+    r = _probe(cache, comp, wakers=False)
+    r.close()
+    assert comp.calls == 1 and r.report.how == "compiled"
