@@ -852,28 +852,38 @@ class StartRuns:
 
 def bench_startup(ctx: Ctx) -> dict[str, Any]:
     """Launch to the first JSON line of --count 1: with the compiled program cached (as every
-    start but the first), with an empty cache (a fresh machine), and phase-timed."""
+    start but the first), with an empty cache (a fresh machine), and phase-timed.
+
+    With --against REF, offtop from REF's code also starts cached and with an empty cache,
+    in the same rounds (A/B of a change; not written to the README)."""
     runs = {"warm": StartRuns(), "cold": StartRuns(), "timed": StartRuns()}
     phases: dict[str, list[float]] = {k: [] for k, _, _ in PHASES}
     loads: list[str] = []
     args = ["--batch", "--format", "json", "--count", "1"]
     code_dir = checkout(ctx.ref) if ctx.ref else ROOT
-    code_env = {"PYTHONPATH": str(code_dir)} if ctx.ref else {}
-    say(f"startup: {ctx.runs} rounds x (cached, cold, phase-timed)"
+    codes = {"": code_dir}
+    if ctx.against:
+        codes[f"@{ctx.against}"] = checkout(ctx.against)
+        runs.update({f"{k}@{ctx.against}": StartRuns() for k in ("warm", "cold")})
+    say(f"startup: {ctx.runs} rounds x ({', '.join(runs)})"
         + (f", offtop from {ctx.ref}" if ctx.ref else ""))
 
     def launch(which: str) -> None:
-        argv = [PY, str(BENCH / "startup_breakdown.py"), *args] if which == "timed" else \
+        kind, at, ref = which.partition("@")
+        where = codes[at + ref]
+        argv = [PY, str(BENCH / "startup_breakdown.py"), *args] if kind == "timed" else \
             [PY, "-m", "offtop.cli", *args]
-        env = dict(code_env)
+        # On the path first: the phase-timed run is a script in bench/, whose directory,
+        # not the working directory, heads sys.path (the venv's offtop is another tree's).
+        env = {"PYTHONPATH": str(where)}
         cold_dir = None
-        if which == "cold":
+        if kind == "cold":
             # An empty cache of the kind offtop trusts (root's, 0700, under sticky /tmp).
             cold_dir = tempfile.mkdtemp(prefix="offtop-bench-cache-")
             env["OFFTOP_CACHE_DIR"] = cold_dir
         t0 = time.monotonic()
-        bg = Background(["taskset", "-c", TRACER_CPU, *argv], f"startup-{which}",
-                        env={"OFFTOP_BENCH_T0": repr(t0), **env}, cwd=code_dir)
+        bg = Background(["taskset", "-c", TRACER_CPU, *argv], f"startup-{kind}",
+                        env={"OFFTOP_BENCH_T0": repr(t0), **env}, cwd=where)
         try:
             tree = TreePeak(bg.proc.pid)
             bg.wait_for(lambda line: True, timeout=60)
@@ -889,17 +899,20 @@ def bench_startup(ctx: Ctx) -> dict[str, Any]:
         r.own_peak.append(most)
         r.tree_peak.append(together)
         r.peak.append(max(most, together))
-        if which == "timed":
+        if kind == "timed":
             marks = json.loads((OUT / "startup-timed.stderr").read_text().strip().splitlines()[-1])
             prev = 0.0
             for k, _, _ in PHASES:
-                at = marks.get(k, prev)
-                phases[k].append(at - prev)
-                prev = at
+                at_s = marks.get(k, prev)
+                phases[k].append(at_s - prev)
+                prev = at_s
             if "load" in marks:
                 loads.append(str(marks["load"].get("how", "?")))
 
-    launch("warm")  # fills the cache (not counted)
+    for which in runs:  # fills the cache (not counted)
+        if which.startswith("warm"):
+            launch(which)
+            runs[which] = StartRuns()
     for r, order in rotations(list(runs), ctx.runs):
         for which in order:
             launch(which)
@@ -911,21 +924,31 @@ def bench_startup(ctx: Ctx) -> dict[str, Any]:
           "RSS of it and its children summed (sampled every 10 ms)")
     for which, label in (("warm", "compiled program cached (every start but the first)"),
                          ("cold", "empty cache (a fresh machine: compiles)")):
-        d, pk = Dist(tuple(runs[which].first)), Dist(tuple(runs[which].peak))
-        print(f"   {label}:")
-        print(f"     launch to first snapshot {d.fmt(digits=3, unit=' s')}   (target <= 1.5 s)")
-        print(f"     peak RSS {pk.fmt(unit=' MB')} (process {Dist(tuple(runs[which].own_peak)).fmt()}, "
-              f"with children {Dist(tuple(runs[which].tree_peak)).fmt()})   (target <= 150 MB)")
+        for at in codes:
+            rr = runs[which + at]
+            d, pk = Dist(tuple(rr.first)), Dist(tuple(rr.peak))
+            print(f"   {label}{' (offtop ' + at[1:] + ')' if at else ''}:")
+            print(f"     launch to first snapshot {d.fmt(digits=3, unit=' s')}   (target <= 1.5 s)")
+            print(f"     peak RSS {pk.fmt(unit=' MB')} (process {Dist(tuple(rr.own_peak)).fmt()}, "
+                  f"with children {Dist(tuple(rr.tree_peak)).fmt()})   (target <= 150 MB)")
+        if ctx.against:
+            a, b = runs[which], runs[f"{which}@{ctx.against}"]
+            print(f"     this tree / {ctx.against}: first snapshot "
+                  f"{ratio(Dist(tuple(a.first)).median, Dist(tuple(b.first)).median):.2f}{TIMES}, "
+                  f"peak RSS {ratio(Dist(tuple(a.peak)).median, Dist(tuple(b.peak)).median):.2f}{TIMES}")
     how = ", ".join(sorted(set(loads))) or "not reported"
     print(f"   breakdown (phase-timed runs, cached; medians; first interval is {first_interval} s; "
           f"program: {how}):")
     for k, label, _ in PHASES:
         print(f"     {label:40} {Dist(tuple(phases[k])).fmt(scale=1e-3, unit=' ms')}")
     warm = runs["warm"].json()
-    return {"runs": ctx.runs, **warm, "cold": runs["cold"].json(), "timed": runs["timed"].json(),
-            "timed_first_snapshot_s": runs["timed"].json()["first_snapshot_s"],
-            "phases_s": {k: Dist(tuple(v)).json() for k, v in phases.items()}, "program": how,
-            "first_interval_s": first_interval, "code": ctx.ref or "working tree"}
+    out = {"runs": ctx.runs, **warm, "cold": runs["cold"].json(), "timed": runs["timed"].json(),
+           "timed_first_snapshot_s": runs["timed"].json()["first_snapshot_s"],
+           "phases_s": {k: Dist(tuple(v)).json() for k, v in phases.items()}, "program": how,
+           "first_interval_s": first_interval, "code": ctx.ref or "working tree"}
+    if ctx.against:
+        out["against"] = {ctx.against: {k: runs[f"{k}@{ctx.against}"].json() for k in ("warm", "cold")}}
+    return out
 
 
 def _first_interval_s(cwd: Path = ROOT) -> float | None:
@@ -1365,8 +1388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(e.g. 'k16=--set kstack_depth=16'); not written to the README")
     p.add_argument("--configs", help="switch: only these configurations (comma list), plus none")
     p.add_argument("--against", metavar="GIT-REF",
-                   help="switch: also run each offtop configuration from the code of GIT-REF "
-                        "(A/B of a change, side by side); not written to the README")
+                   help="switch, startup: also run offtop (each configuration) from the code of "
+                        "GIT-REF (A/B of a change, side by side); not written to the README")
     p.add_argument("--preempt", action="store_true",
                    help="switch: run pingpong as SCHED_OTHER (wakeups preempt: one block per round trip)")
     p.add_argument("--ref", metavar="GIT-REF",

@@ -655,9 +655,7 @@ _NO_LLVM = """
 import json, os, sys
 from pathlib import Path
 from offtop.bpf import environment
-choice = environment.find_kernel_headers()
-if choice.source_env:
-    os.environ["BCC_KERNEL_SOURCE"] = choice.source_env
+environment.prepare()  # every check offtop makes before it loads, bcc's among them
 from offtop.bpf.config import EngineConfig
 from offtop.bpf.probe import Probe
 from offtop.bpf.loader.cache import ArtifactCache
@@ -671,7 +669,8 @@ p.close()
 
 @pytest.mark.bpf
 def test_llvm_never_enters_the_process(bpf_available: None, tmp_path: Path) -> None:
-    """A miss compiles in a child; neither it nor a hit maps libbcc or LLVM here."""
+    """A miss compiles in a child; neither it, nor a hit, nor the checks before them map
+    libbcc or LLVM here (importing bcc to check it is there mapped ~55 MB of them)."""
     for how in ("compiled", "cache hit"):
         r = subprocess.run([sys.executable, "-c", _NO_LLVM, str(tmp_path / "offtop")],
                            capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -705,3 +704,128 @@ def test_user_strings_never_reach_the_compiled_text(monkeypatch: pytest.MonkeyPa
     assert seen["cflags"] == split_constants(cfg.cflags())[0]
     blob = seen["text"] + "\n".join(seen["cflags"])
     assert hostile not in blob and str(os.getpid()) not in "\n".join(seen["cflags"])
+
+
+_CHILD_DROP = """
+import ctypes, importlib.util, sys
+spec = importlib.util.spec_from_file_location("child", sys.argv[1])
+child = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(child)
+def rss_kb():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS"))
+ctypes.CDLL("libbcc.so.0")
+before = rss_kb()
+dropped = child._drop_pages_loading_touched()
+print(dropped, before, rss_kb())
+"""
+
+
+@pytest.mark.bpf
+def test_compiler_process_gives_back_what_loading_llvm_touched(bpf_available: None) -> None:
+    """The compiler process runs isolated (-I: nothing of offtop on its path), finds
+    compiler_memory.py by its path, and drops the clean LLVM pages dlopen faulted in
+    (~34 MB here; each MB of it would add to offtop's peak while the compile runs)."""
+    child = ROOT / "offtop" / "bpf" / "loader" / "bcc_child.py"
+    r = subprocess.run([sys.executable, "-I", "-c", _CHILD_DROP, str(child)],
+                       capture_output=True, text=True, timeout=60, check=True)
+    dropped, before, after = map(int, r.stdout.split())
+    assert dropped > 0
+    assert before - after >= 10 * 1024, (before, after)
+
+
+def _bcc_child() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bcc_child", compiler.CHILD)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_helper_symbols_are_the_bpf_lines_as_they_are() -> None:
+    kallsyms = (b"ffffffff81000000 T _stext\n"
+                b"ffffffff814cb760 T bpf_probe_read_kernel\n"
+                b"ffffffff814cb7c0 T __pfx_bpf_probe_read_kernel_str\n"
+                b"ffffffff814cb800 t bpf_probe_read_kernel_str\n"
+                b"ffffffffc0001000 t helper_bpf_x\t[some_mod]\n"
+                b"ffffffffc0002000 t bpf_in_module\t[bpf_mod]\n"
+                b"ffffffff814ce250 T bpf_probe_read_user")  # the last line, no newline
+    assert _bcc_child().helper_symbols(kallsyms) == (
+        b"ffffffff814cb760 T bpf_probe_read_kernel\n"
+        b"ffffffff814cb800 t bpf_probe_read_kernel_str\n"
+        b"ffffffffc0002000 t bpf_in_module\t[bpf_mod]\n"
+        b"ffffffff814ce250 T bpf_probe_read_user\n")
+
+
+_TWO_COMPILES = """
+import ctypes, importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("child", sys.argv[1])
+child = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(child)
+req = json.loads(sys.stdin.read())
+lib = ctypes.CDLL("libbcc.so.0", use_errno=True)
+child._declare(lib)
+full = child.compile_module(lib, req["source"], req["cflags"])
+bound = child._show_bcc_only_helper_symbols()
+with open("/proc/kallsyms", "rb") as f:
+    seen = f.read()
+only = child.compile_module(lib, req["source"], req["cflags"])
+print(json.dumps({"full": full, "only": only, "bound": bound,
+                  "seen_lines": seen.count(b"\\n"), "all_bpf": all(
+                      l.split()[2].startswith(b"bpf_") for l in seen.splitlines())}))
+"""
+
+
+@pytest.mark.bpf
+def test_bcc_sees_only_bpf_symbols_and_compiles_the_same(bpf_available: None) -> None:
+    """The compiler process binds the bpf_* lines of kallsyms over /proc/kallsyms in a
+    mount namespace of its own: bcc compiles exactly what it compiled from the whole
+    file, and nothing of it is seen outside (no mount, no file left in /tmp)."""
+    from offtop.bpf import environment
+
+    choice = environment.find_kernel_headers()
+    env = {**os.environ, **({"BCC_KERNEL_SOURCE": choice.source_env} if choice.source_env else {})}
+    src = resources.files("offtop.bpf").joinpath("offcpu.c").read_text()
+    flags, _ = split_constants(EngineConfig().cflags())
+    mounts, leftovers = Path("/proc/self/mounts").read_text(), set(Path("/tmp").glob("offtop-kallsyms-*"))
+    r = subprocess.run([sys.executable, "-I", "-c", _TWO_COMPILES, str(compiler.CHILD)],
+                       input=json.dumps({"source": src, "cflags": flags}), capture_output=True,
+                       text=True, env=env, timeout=300, check=True)
+    out = json.loads(r.stdout)
+    assert out["bound"] and out["all_bpf"] and 0 < out["seen_lines"] < 20_000, out["seen_lines"]
+    ident = {"bcc": "0.26.0", "libbcc": ["/x", 1, 2]}  # as main() adds it
+    programs = [artifact_from_module({**out[k], "compiler": ident}, KEY, {}).programs
+                for k in ("full", "only")]
+    assert programs[0] == programs[1]
+    assert Path("/proc/self/mounts").read_text() == mounts
+    assert set(Path("/tmp").glob("offtop-kallsyms-*")) == leftovers
+    assert Path("/proc/kallsyms").stat().st_size == 0  # procfs's own file, not a bound one
+    with open("/proc/kallsyms", "rb") as f:
+        assert f.read().count(b"\n") > out["seen_lines"]
+
+
+@pytest.mark.bpf
+def test_setup_compiles_what_a_start_with_no_options_loads(bpf_available: None,
+                                                          tmp_path: Path) -> None:
+    """`make setup` (loader.precompile) fills the cache with the program `offtop` loads
+    when given no option: its first start is a hit; other options still compile."""
+    from offtop.bpf.loader.precompile import default_config, precompile
+
+    cache = ArtifactCache(tmp_path / "offtop")
+    said = precompile(default_config(), cache)
+    assert said.startswith("compiled offtop's BPF program into")
+    assert precompile(default_config(), cache) == ""  # quiet once it is there
+    from offtop.bpf.probe import Probe
+    from offtop.cli_args import build_parser, config_from_args
+
+    batch = config_from_args(build_parser().parse_args(["--batch", "--format", "json"]))[0]
+    assert batch.cflags() == default_config().cflags()  # the bench's start is such a start
+    comp = CountingCompiler()
+    q = Probe(default_config(), cache=cache, compile=comp)
+    q.load(1_000_000)
+    q.close()
+    assert comp.calls == 0 and q.report.how == "cache hit", q.report
+    r = _probe(cache, comp, wakers=False)
+    r.close()
+    assert comp.calls == 1 and r.report.how == "compiled"

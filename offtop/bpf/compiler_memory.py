@@ -1,21 +1,22 @@
-"""Give back the memory of compiler libraries mapped into offtop, once the program is loaded.
+"""Give back memory that compiler libraries hold but will not use: pages loading them touched.
 
-bcc compiles in a child process now (`offtop.bpf.loader`), so offtop itself
-runs no compiler; but importing bcc's Python bindings (to check they are
-there) still maps libbcc with libLLVM and libclang: ~55 MB of their pages
-resident though nothing runs them (and a compile in this process, as
-offtop did before, left ~25 MB of freed heap besides). offtop returns both:
-the heap with malloc_trim(), and those library pages with MADV_DONTNEED, but only on
-mappings whose pages are all clean and file-backed, which the kernel reads
-back from the file if they are ever touched again (a later compile works).
-Relocated (dirty) pages are never dropped: discarding them would revert
-them to the file's unrelocated contents.
+Run in the compiler process (`loader/bcc_child.py`) right after libbcc is
+loaded: dlopen's relocations and LLVM's static constructors fault in ~34 MB
+of clean pages of libLLVM and libclang that the compile mostly never reads
+again, and they would count in that process's RSS, on top of offtop's, for
+the whole compile. offtop itself maps no compiler library any more (it
+neither compiles nor imports bcc), so there the call (engine start-up) only
+trims the heap. Pages are dropped with MADV_DONTNEED, but only on mappings
+whose pages are all clean and file-backed, which the kernel reads back from
+the file if they are touched again. Relocated (dirty) pages are never
+dropped: discarding them would revert them to the file's unrelocated
+contents. Standard library only: the compiler process imports nothing of
+offtop's package.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import re
 
 MADV_DONTNEED = 4
@@ -51,10 +52,7 @@ def _compiler_mapped(maps: str) -> bool:
 
 def release_compiler_memory() -> int:
     """Trim the heap and drop clean compiler-library pages; return ranges dropped."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return 0
-    libc = ctypes.CDLL(name, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them
     if hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
     try:

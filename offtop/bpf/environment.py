@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import importlib.util
 import os
 import platform
 import resource
@@ -301,24 +302,43 @@ def check_host_view(*, kernel_stacks: bool) -> None:
 # --- bcc -----------------------------------------------------------------
 
 
+def _bcc_problem(e: BaseException) -> EnvironmentProblem:
+    """What an ImportError, OSError or MemoryError from bcc's bindings means, in one line."""
+    if isinstance(e, MemoryError):
+        return EnvironmentProblem(memory_problem("loading bcc"))
+    if isinstance(e, OSError):  # libbcc.so itself missing or broken, or no room to map it
+        if any(m in str(e).lower() for m in _MAP_FAILURES):
+            return EnvironmentProblem(memory_problem(f"loading bcc's library ({e})"))
+        return EnvironmentProblem(f"bcc's library could not be loaded ({e}): reinstall libbpfcc")
+    return EnvironmentProblem(
+        "bcc's Python bindings are missing: install python3-bpfcc "
+        "(apt-get install python3-bpfcc) and use /usr/bin/python3 or a venv made "
+        "with --system-site-packages"
+    )
+
+
+def check_bcc_installed() -> None:
+    """bcc's Python bindings are there to be found (python3-bpfcc), without loading them.
+
+    Importing bcc maps libbcc with libLLVM and libclang, ~55 MB resident,
+    and a program from the cache needs none of it: only the compiler
+    process on a miss loads libbcc, and a library that fails to load there
+    is reported by `check_bcc_importable`.
+    """
+    try:
+        spec = importlib.util.find_spec("bcc")
+    except (ImportError, OSError, MemoryError) as e:
+        raise _bcc_problem(e) from None
+    if spec is None:
+        raise _bcc_problem(ModuleNotFoundError("No module named 'bcc'"))
+
+
 def check_bcc_importable() -> None:
-    """bcc's Python bindings come from the distro, not PyPI."""
+    """bcc's Python bindings come from the distro, not PyPI; this imports them (and LLVM)."""
     try:
         import bcc  # noqa: F401
-    except ImportError:
-        raise EnvironmentProblem(
-            "bcc's Python bindings are missing: install python3-bpfcc "
-            "(apt-get install python3-bpfcc) and use /usr/bin/python3 or a venv made "
-            "with --system-site-packages"
-        ) from None
-    except MemoryError:
-        raise EnvironmentProblem(memory_problem("loading bcc")) from None
-    except OSError as e:  # libbcc.so itself missing or broken, or no room to map it
-        if any(m in str(e).lower() for m in _MAP_FAILURES):
-            raise EnvironmentProblem(memory_problem(f"loading bcc's library ({e})")) from None
-        raise EnvironmentProblem(
-            f"bcc's library could not be loaded ({e}): reinstall libbpfcc"
-        ) from None
+    except (ImportError, OSError, MemoryError) as e:
+        raise _bcc_problem(e) from None
 
 
 # --- kernel headers ------------------------------------------------------------
@@ -462,7 +482,7 @@ def prepare() -> HeaderChoice:
     choice = find_kernel_headers()
     if choice.source_env:
         os.environ["BCC_KERNEL_SOURCE"] = choice.source_env
-    check_bcc_importable()
+    check_bcc_installed()
     return choice
 
 

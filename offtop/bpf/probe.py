@@ -64,6 +64,11 @@ RawWaker = tuple[int, int, int, int, int, bytes]
 RawRow = tuple[int, int, int, int, int, int, int, int, bytes, RawWaker]
 
 
+def offcpu_source() -> str:
+    """offcpu.c's text, as it is compiled (and hashed into the cache key)."""
+    return resources.files("offtop.bpf").joinpath("offcpu.c").read_text()
+
+
 def default_cache() -> ArtifactCache:
     """/var/cache/offtop, or $OFFTOP_CACHE_DIR (checked alike: see loader.cache)."""
     return ArtifactCache(Path(os.environ.get("OFFTOP_CACHE_DIR") or DEFAULT_DIR))
@@ -90,7 +95,7 @@ class Probe:
 
     def load(self, threshold_ns: int) -> None:
         """Load and attach offcpu.c and write every map it reads (not armed yet)."""
-        src = resources.files("offtop.bpf").joinpath("offcpu.c").read_text()
+        src = offcpu_source()
         tracefs = environment.tracefs_dir()
         if tracefs is None:
             raise EngineError("tracefs is not mounted: cannot attach to sched:sched_switch")
