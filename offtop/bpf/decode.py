@@ -128,23 +128,30 @@ class AccRecord(ct.Structure):
     ]
 
 
-def generation_sums(buf: Any, slots: int, gen: int) -> list[AccRecord]:
-    """The per-slot sums offcpu.c filled in generation `gen` (offcpu_acc's raw bytes).
+#: `AccRecord` as a struct: (tag, tid, tgid, state, ustack, kstack, total_ns, max_ns,
+#: count, comm, waker tgid, tid, ustack, kstack, what, pad, comm). Unpacked as a
+#: tuple: reading ctypes fields one by one cost more than the summing.
+ACC_STRUCT = struct.Struct("<IIIIiiQQQ16sIIiiII16s")
+assert ACC_STRUCT.size == ct.sizeof(AccRecord)
+
+
+def generation_sums(buf: Any, slots: int, gen: int) -> list[tuple[Any, ...]]:
+    """The per-slot sums offcpu.c filled in generation `gen` (offcpu_acc's raw bytes),
+    as `ACC_STRUCT` tuples.
 
     Entry slot * 2 + gen % 2 of each slot; those tagged gen + 1 are this
     generation's, older tags were read before. One strided view of the tag
     column, so only used entries cost Python.
     """
-    size = ct.sizeof(AccRecord)
+    size = ACC_STRUCT.size
     words = memoryview(buf)[: 2 * slots * size].cast("I")
     step = size // 4
     tags = words[(gen % 2) * step:: 2 * step]
     want = (gen + 1) & 0xFFFFFFFF
-    out = []
-    for i in itertools.compress(range(slots), tags):
-        if tags[i] == want:
-            out.append(AccRecord.from_buffer_copy(buf, (2 * i + gen % 2) * size))
-    return out
+    unpack = ACC_STRUCT.unpack_from
+    half = gen % 2
+    return [unpack(buf, (2 * i + half) * size)
+            for i in itertools.compress(range(slots), tags) if tags[i] == want]
 
 
 # Where start_rec.tid sits, for scanning and freeing slots of offcpu_slots.

@@ -247,10 +247,10 @@ class Probe:
             yield (tgid, tid, st, us, ks, total, count, mx, comm,
                    (wtgid, wtid, wus, wks, what, wcomm))
         assert self._acc_mm is not None
-        for a in generation_sums(self._acc_mm, self.config.start_entries, old):
-            w = a.w
-            yield (a.tgid, a.tid, a.state, a.ustack, a.kstack, a.total_ns, a.count, a.max_ns,
-                   bytes(a.comm), (w.tgid, w.tid, w.ustack, w.kstack, w.what, bytes(w.comm)))
+        for (_tag, tid, tgid, st, us, ks, total, mx, count, comm, wtgid, wtid, wus, wks, what,
+             _pad, wcomm) in generation_sums(self._acc_mm, self.config.start_entries, old):
+            yield (tgid, tid, st, us, ks, total, count, mx, comm,
+                   (wtgid, wtid, wus, wks, what, wcomm))
 
     def thread_records(self) -> list[tuple[int, StartRecord, int]]:
         """(tid, record, slot) of every thread the program has a record of.
