@@ -43,6 +43,7 @@ class Before:
 
     ts: int
     kernel: tuple[Frame, ...]
+    pid: int = 0
 
 
 class BeforeStart:
@@ -81,13 +82,17 @@ class BeforeStart:
                               skip=REC_SEEDED | (0 if self._user_stacks else REC_NO_USER))
             if self._probe.seed_record(t.tid, rec):
                 kernel = tuple(Frame(name=n, module="kernel", kernel=True) for n in t.kernel)
-                self._blocks[t.tid] = Before(ts, kernel)
+                self._blocks[t.tid] = Before(ts, kernel, t.pid)
                 seeded.append((t, ts))
         for t, ts in seeded:
             if exec_start_ns(t.pid, t.tid) != t.exec_start:
                 self._probe.unseed(t.tid, ts)
                 self._blocks.pop(t.tid, None)
         return len(self._blocks)
+
+    def blocks(self) -> list[tuple[int, Before]]:
+        """(tid, block) of every block from before the start still under way."""
+        return list(self._blocks.items())
 
     def get(self, tid: int) -> Before | None:
         """The block of `tid` from before the start, while it lasts."""

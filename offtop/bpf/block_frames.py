@@ -112,6 +112,18 @@ class BlockFrames:
                 user = merged_frames(user, t)
         return self.kernel(ks), user, False
 
+    def unwind_before_start(self, budget_s: float) -> None:
+        """Unwind the user stacks of the blocks from before the start now, while they
+        hold still: one that ends within the first interval (a short sleep caught
+        under way) would otherwise have only the kernel stack /proc showed."""
+        if self.unwound is None:
+            return
+        until = self._clock() + budget_s
+        for tid, b in self.before.blocks():
+            if b.pid and not self.unwound.unwind(b.pid, tid, b.ts, 0, until) \
+                    and self._clock() > until:
+                break
+
     def unwound_frames(self, tid: int, ts: int, deadline: float | None,
                        *, pop: bool = False) -> tuple[Frame, ...] | None:
         if self.unwound is None:

@@ -60,6 +60,10 @@ from offtop.unwind import Unwinder
 
 __all__ = ["BpfSource", "EngineConfig", "EngineError"]
 
+#: The stack ids of a row summed per thread and state once a stop came: no id the
+#: probe hands out (those are s32; -1 with -1 is a block from before the start).
+UNRESOLVED_ID = -(1 << 40)
+
 #: The largest threshold the kernel map accepts (offtop.units bounds what users type).
 MAX_THRESHOLD_NS = 1 << 62
 
@@ -213,6 +217,7 @@ class BpfSource:
                                  clock=self._clock)
         self._interval.notices.extend(self.targets.initially_gone())
         self.before.seed()
+        self.frames.unwind_before_start(cfg.unwind_budget_s)
         release_compiler_memory()
         now = self._clock()
         self._last_tick = self._last_subtick = now
@@ -354,7 +359,7 @@ class BpfSource:
         stopping = self.frames.gave_up()
         for tgid, tid, st, us, ks, total, count, mx, comm, waker in self.probe.drain_aggregates():
             if stopping:  # a row per thread and state, its stacks not resolved
-                key = (tgid, tid, st, -1, -1, 0, 0, 0, 0)
+                key = (tgid, tid, st, UNRESOLVED_ID, UNRESOLVED_ID, 0, 0, 0, 0)
             else:
                 key = (tgid, tid, st, us, ks, waker[0], waker[1], waker[4], 0)
             row = rows.get(key)
@@ -425,7 +430,7 @@ class BpfSource:
     def _new_row(self, key: tuple[int, ...], total: int, count: int, mx: int, comm: bytes,
                  waker: RawWaker, deadline: float) -> _Row:
         tgid, tid, st, us, ks = key[:5]
-        if us == ks == -1:
+        if us == UNRESOLVED_ID:
             return _Row(total, count, mx, comm, (), (NOT_RESOLVED,), bool(st & ST_BEFORE_START),
                         None, self.frames.start_of(tgid))
         kernel, user, before, w, start = self._rows.resolve(tgid, tid, st, us, ks, waker,
