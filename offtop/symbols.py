@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -83,61 +82,35 @@ def process_start_time(pid: int) -> int | None:
 
 
 class KernelSymbols:
-    """/proc/kallsyms, sorted, looked up by bisection, cached per address.
-
-    Reading and sorting ~120,000 lines takes ~110 ms, which at start-up
-    would delay the first snapshot; a thread does it instead, while that
-    snapshot's interval runs (the engine mostly waits then), and the first
-    look-up waits for it. A read that failed raises at that look-up.
-    """
+    """/proc/kallsyms, sorted, looked up by bisection, cached per address."""
 
     def __init__(self, path: str = "/proc/kallsyms") -> None:
-        self._addrs: list[int] = []
-        self._names: list[str] = []
+        addrs: list[int] = []
+        names: list[str] = []
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3 or parts[1] not in "tTwW":
+                    continue
+                addr = int(parts[0], 16)
+                if addr == 0:
+                    continue
+                addrs.append(addr)
+                names.append(parts[2])
+        order = sorted(range(len(addrs)), key=addrs.__getitem__)
+        self._addrs = [addrs[i] for i in order]
+        self._names = [names[i] for i in order]
         self._cache: dict[int, Frame] = {}
-        self._failed: OSError | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, args=(path,), name="offtop-kallsyms",
-                         daemon=True).start()
-
-    def _read(self, path: str) -> None:
-        try:
-            addrs: list[int] = []
-            names: list[str] = []
-            with open(path) as f:
-                for line in f:
-                    parts = line.split()
-                    if len(parts) < 3 or parts[1] not in "tTwW":
-                        continue
-                    addr = int(parts[0], 16)
-                    if addr == 0:
-                        continue
-                    addrs.append(addr)
-                    names.append(parts[2])
-            order = sorted(range(len(addrs)), key=addrs.__getitem__)
-            self._addrs = [addrs[i] for i in order]
-            self._names = [names[i] for i in order]
-        except OSError as e:
-            self._failed = e
-        finally:
-            self._ready.set()
-
-    def _wait(self) -> None:
-        self._ready.wait()
-        if self._failed is not None:
-            raise self._failed
-
-    @property
-    def available(self) -> bool:
-        """False when kptr_restrict hides addresses (all zero) from unprivileged readers."""
-        self._wait()
-        return bool(self._addrs)
+        if not self._addrs:
+            # kptr_restrict hides addresses (all zero) from unprivileged readers.
+            self.available = False
+        else:
+            self.available = True
 
     def resolve(self, addr: int) -> Frame:
         """The function containing `addr`, or the address itself."""
         f = self._cache.get(addr)
         if f is None:
-            self._wait()
             i = bisect.bisect_right(self._addrs, addr) - 1
             name = self._names[i] if i >= 0 else f"0x{addr:x}"
             f = self._cache[addr] = Frame(name=name, module="kernel", kernel=True)
