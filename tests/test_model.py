@@ -239,3 +239,16 @@ def test_since_start_sums_every_snapshot_and_stays_bounded() -> None:
     kept = small.ranked()
     assert [r.tid for r in kept] == [5, 4, 3]
     assert small.dropped_ns == 1 + 2
+
+
+def test_since_start_sheds_down_to_three_quarters_even_among_equal_totals() -> None:
+    agg, since = Aggregator(), SinceStart(max_entries=8)
+    since.add(SnapshotIndex(build(agg, [s(t, 5) for t in range(1, 11)])))
+    assert len(since.ranked()) == 6 and since.dropped_ns == 4 * 5
+    # Shedding waits for another quarter of new keys, then drops the lightest.
+    since.add(SnapshotIndex(build(agg, [s(20, 1), s(21, 1)])))
+    assert len(since.ranked()) == 8
+    since.add(SnapshotIndex(build(agg, [s(30, 100)])))
+    kept = since.ranked()
+    assert len(kept) == 6 and kept[0].tid == 30 and all(r.tid < 20 for r in kept[1:])
+    assert since.dropped_ns == 4 * 5 + 2 * 1 + 5
