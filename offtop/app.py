@@ -4,8 +4,9 @@ Data flows one way. `SnapshotPump` owns the `SnapshotSource` in a thread
 worker: it starts it (compiling BPF can take a second; the screen shows at
 once, loading), then asks it for one snapshot per interval, indexes it
 (`SnapshotIndex`: stacks by thread and process, the facts of every
-callchain), adds it to the since-start totals, off the event loop, and posts
-it as one `SnapshotReady` message. A backlog of those collapses to the
+callchain), off the event loop, and posts it as one `SnapshotReady` message;
+once it is on screen its stacks are summed into the since-start totals, in
+a thread. A backlog of those collapses to the
 newest (`can_replace`); the long blocks, counts and notices of every
 snapshot wait in `Arrivals`, so none is lost.
 
@@ -275,6 +276,7 @@ class OfftopApp(App[int]):
             self.arrived = taken
             if taken.notices:
                 self.notices = taken.notices[-3:]
+        self.call_after_refresh(self.pump.fold_since_start)
 
     def _check_stall(self) -> None:
         """A running source more than three intervals late is said to be."""

@@ -658,6 +658,25 @@ async def test_since_start_sums_the_stacks_of_every_snapshot() -> None:
             s.offcpu_ns for s in SNAPS[2].stacks_of(tid))
 
 
+async def test_the_since_start_sum_waits_until_its_snapshot_is_shown() -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        since = app.pump.since_start
+        await until(pilot, lambda: since.pending == 0, "the first snapshot summed")
+        app.paused = True
+        app.publish(SNAPS[1])
+        await until(pilot, lambda: app.behind == 1, "the snapshot held")
+        await pilot.pause(0.05)
+        assert since.pending == 1 and since.snapshots == 2  # queued, not summed
+        app.paused = False
+        await shown(pilot, app, seq=SNAPS[1].seq)
+        await until(pilot, lambda: since.pending == 0, "the shown snapshot summed")
+        tid = SNAPS[1].tasks[0].tid
+        assert sum(r.offcpu_ns for r in since.ranked() if r.tid == tid) == sum(
+            s.offcpu_ns for snap in SNAPS[:2] for s in snap.stacks_of(tid))
+
+
 async def test_flame_graph_of_the_scope_built_only_while_shown(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stacks_pane_module, "FlameTree", CountingFlameTree)
