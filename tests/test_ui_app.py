@@ -490,7 +490,7 @@ async def test_drill_down_into_the_callchain_tree_and_back() -> None:
         await pilot.press("down", "enter")
         await pilot.pause()
         assert app.drilled and pane(app).current == "tree"
-        assert app.screen.has_class("-drilled")
+        assert app.query_one("#left").has_class("-drilled")
         tree = app.query_one(CallchainTree)
         assert app.focused is tree
         assert task.comm in str(tree.root.label)
@@ -1003,6 +1003,21 @@ async def test_small_terminals_degrade_without_crashing() -> None:
         await pilot.resize_terminal(140, 45)
         await pilot.pause()
         assert app.query_one("#right").display and not app.screen.has_class("-narrow")
+
+
+async def test_a_short_terminal_shows_one_pane_at_a_time_on_the_left() -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=(120, 20)) as pilot:
+        await shown(pilot, app)
+        assert app.screen.has_class("-short")
+        tasks, stacks = app.query_one(TaskTable), pane(app)
+        assert tasks.display and not stacks.display
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.drilled and stacks.display and not tasks.display
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not app.drilled and tasks.display and not stacks.display
 
 
 async def test_markup_in_comm_is_shown_literally() -> None:
