@@ -84,6 +84,14 @@ class OfftopApp(App[int]):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-normal"), (180, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (24, "-tall")]
     BINDINGS: ClassVar[list[BindingType]] = [*APP_BINDINGS, *REPLAY_BINDINGS]
+    #: With `freeze_gc`, the cyclic GC's full passes are the app's: one every
+    #: this many snapshots shown, once it is drawn. Python's own came every
+    #: few ticks (each interval's 20,000 stack rows outlive two collections,
+    #: and the frozen heap does not count towards when the next is due), at
+    #: any moment, keys included: 65 ms each at 20,000 stacks, up to 300 ms.
+    FULL_GC_EVERY: ClassVar[int] = 30
+    #: The third GC threshold that stops Python's own full passes.
+    NO_FULL_GC: ClassVar[int] = 1 << 30
 
     info: var[SourceInfo | None] = var(None, init=False)
     """What the source says it captures (bound to the header)."""
@@ -129,9 +137,12 @@ class OfftopApp(App[int]):
         self.pump = SnapshotPump(self, source, interval_s)
         #: Measures how late the source is (the header warns after 3 intervals).
         self.clock = clock or time.monotonic
-        #: Once the first snapshot is on screen, move everything alive then out
-        #: of the cyclic GC's full passes (for the process that owns the app).
+        #: Own the process's cyclic GC (the process that runs the app): once
+        #: the first snapshot is on screen, move everything alive then out of
+        #: its full passes, and make those passes the app's, see `FULL_GC_EVERY`.
         self.freeze_gc = freeze_gc
+        self._shown = 0
+        self._gc_thresholds: tuple[int, int, int] | None = None
         #: Where `w` writes (the working directory by default).
         self.export_dir = export_dir or Path.cwd()
         #: The exception that stopped the source, for `run_app` and the CLI.
@@ -196,6 +207,8 @@ class OfftopApp(App[int]):
     def on_unmount(self) -> None:
         self.pump.stop()
         self.signals.remove()
+        if self._gc_thresholds is not None:
+            gc.set_threshold(*self._gc_thresholds)
 
     def exit(self, result: int | None = None, return_code: int = 0,
              message: RenderableType | None = None) -> None:
@@ -266,17 +279,28 @@ class OfftopApp(App[int]):
         self._held = None
         self._arrived = self.clock()
         taken = self.pump.arrivals.take()
+        self._shown += 1
+        if self.freeze_gc and self._shown % self.FULL_GC_EVERY == 1:
+            self.call_after_refresh(self._full_gc)
         with self.batch_update():
             if self.loading:
                 self.loading = False
-                if self.freeze_gc:
-                    self.call_after_refresh(_freeze_gc)
             self.behind = self.stalled_s = 0
             self.index = index
             self.arrived = taken
             if taken.notices:
                 self.notices = taken.notices[-3:]
         self.call_after_refresh(self.pump.fold_since_start)
+
+    def _full_gc(self) -> None:
+        """A full pass of the cyclic GC, now that a snapshot is drawn; the
+        first also freezes what is alive and stops Python's own full passes."""
+        if self._gc_thresholds is None:
+            self._gc_thresholds = gen0, gen1, _ = gc.get_threshold()
+            _freeze_gc()
+            gc.set_threshold(gen0, gen1, self.NO_FULL_GC)
+        else:
+            gc.collect()
 
     def _check_stall(self) -> None:
         """A running source more than three intervals late is said to be."""

@@ -8,6 +8,7 @@ blocked now, long blocks, the threshold, layouts, keys.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import gzip
 import json
 import os
@@ -675,6 +676,37 @@ async def test_the_since_start_sum_waits_until_its_snapshot_is_shown() -> None:
         tid = SNAPS[1].tasks[0].tid
         assert sum(r.offcpu_ns for r in since.ranked() if r.tid == tid) == sum(
             s.offcpu_ns for snap in SNAPS[:2] for s in snap.stacks_of(tid))
+
+
+async def test_an_app_owning_the_gc_makes_its_full_passes_after_drawing() -> None:
+    before = gc.get_threshold()
+    full: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2 and app.received:
+            full.append(app.received)
+
+    app = OfftopApp(fake_source(), clock=FakeClock(), freeze_gc=True)
+    app.FULL_GC_EVERY = 2  # a full pass every other snapshot shown
+    gc.callbacks.append(count)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await shown(pilot, app)
+            await until(pilot, lambda: gc.get_threshold()[2] == OfftopApp.NO_FULL_GC,
+                        "Python's own full passes stopped")
+            for snap in SNAPS[1:]:
+                app.publish(snap)
+                await shown(pilot, app, seq=snap.seq)
+            assert len(SNAPS) == 4
+            await until(pilot, lambda: len(full) >= 2, "two full passes")
+            await pilot.pause()
+            # The first (freezing what is alive), then every other snapshot
+            # shown, and none of Python's own meanwhile.
+            assert full == [1, 3]
+        assert gc.get_threshold() == before
+    finally:
+        gc.callbacks.remove(count)
+        gc.unfreeze()
 
 
 async def test_flame_graph_of_the_scope_built_only_while_shown(
