@@ -90,6 +90,8 @@ class OfftopApp(App[int]):
     #: and the frozen heap does not count towards when the next is due), at
     #: any moment, keys included: 65 ms each at 20,000 stacks, up to 300 ms.
     FULL_GC_EVERY: ClassVar[int] = 30
+    #: ... and at least one every this many seconds (paused, or no data coming).
+    FULL_GC_MAX_S: ClassVar[float] = 60.0
     #: The third GC threshold that stops Python's own full passes.
     NO_FULL_GC: ClassVar[int] = 1 << 30
 
@@ -143,6 +145,7 @@ class OfftopApp(App[int]):
         self.freeze_gc = freeze_gc
         self._shown = 0
         self._gc_thresholds: tuple[int, int, int] | None = None
+        self._gc_at = 0.0
         #: Where `w` writes (the working directory by default).
         self.export_dir = export_dir or Path.cwd()
         #: The exception that stopped the source, for `run_app` and the CLI.
@@ -201,7 +204,7 @@ class OfftopApp(App[int]):
     def on_mount(self) -> None:
         self.set_class(self.loading, "-loading")
         self.signals.install()
-        self.set_interval(1.0, self._check_stall)
+        self.set_interval(1.0, self._each_second)
         self.pump.start()
 
     def on_unmount(self) -> None:
@@ -301,6 +304,14 @@ class OfftopApp(App[int]):
             gc.set_threshold(gen0, gen1, self.NO_FULL_GC)
         else:
             gc.collect()
+        self._gc_at = time.monotonic()
+
+    def _each_second(self) -> None:
+        self._check_stall()
+        # Paused, or no data coming: the GC's full passes still come.
+        if (self._gc_thresholds is not None
+                and time.monotonic() - self._gc_at >= self.FULL_GC_MAX_S):
+            self._full_gc()
 
     def _check_stall(self) -> None:
         """A running source more than three intervals late is said to be."""

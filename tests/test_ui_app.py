@@ -703,6 +703,10 @@ async def test_an_app_owning_the_gc_makes_its_full_passes_after_drawing() -> Non
             # The first (freezing what is alive), then every other snapshot
             # shown, and none of Python's own meanwhile.
             assert full == [1, 3]
+            # Paused (no snapshot shown), one comes at least every FULL_GC_MAX_S.
+            app.paused = True
+            app.FULL_GC_MAX_S = 0.0
+            await until(pilot, lambda: len(full) >= 3, "a full pass while paused")
         assert gc.get_threshold() == before
     finally:
         gc.callbacks.remove(count)
