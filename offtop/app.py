@@ -4,8 +4,9 @@ Data flows one way. `SnapshotPump` owns the `SnapshotSource` in a thread
 worker: it starts it (compiling BPF can take a second; the screen shows at
 once, loading), then asks it for one snapshot per interval, indexes it
 (`SnapshotIndex`: stacks by thread and process, the facts of every
-callchain), adds it to the since-start totals, off the event loop, and posts
-it as one `SnapshotReady` message. A backlog of those collapses to the
+callchain), off the event loop, and posts it as one `SnapshotReady` message;
+once it is on screen its stacks are summed into the since-start totals, in
+a thread. A backlog of those collapses to the
 newest (`can_replace`); the long blocks, counts and notices of every
 snapshot wait in `Arrivals`, so none is lost.
 
@@ -83,6 +84,16 @@ class OfftopApp(App[int]):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-normal"), (180, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (24, "-tall")]
     BINDINGS: ClassVar[list[BindingType]] = [*APP_BINDINGS, *REPLAY_BINDINGS]
+    #: With `freeze_gc`, the cyclic GC's full passes are the app's: one every
+    #: this many snapshots shown, once it is drawn. Python's own came every
+    #: few ticks (each interval's 20,000 stack rows outlive two collections,
+    #: and the frozen heap does not count towards when the next is due), at
+    #: any moment, keys included: 65 ms each at 20,000 stacks, up to 300 ms.
+    FULL_GC_EVERY: ClassVar[int] = 30
+    #: ... and at least one every this many seconds (paused, or no data coming).
+    FULL_GC_MAX_S: ClassVar[float] = 60.0
+    #: The third GC threshold that stops Python's own full passes.
+    NO_FULL_GC: ClassVar[int] = 1 << 30
 
     info: var[SourceInfo | None] = var(None, init=False)
     """What the source says it captures (bound to the header)."""
@@ -128,9 +139,13 @@ class OfftopApp(App[int]):
         self.pump = SnapshotPump(self, source, interval_s)
         #: Measures how late the source is (the header warns after 3 intervals).
         self.clock = clock or time.monotonic
-        #: Once the first snapshot is on screen, move everything alive then out
-        #: of the cyclic GC's full passes (for the process that owns the app).
+        #: Own the process's cyclic GC (the process that runs the app): once
+        #: the first snapshot is on screen, move everything alive then out of
+        #: its full passes, and make those passes the app's, see `FULL_GC_EVERY`.
         self.freeze_gc = freeze_gc
+        self._shown = 0
+        self._gc_thresholds: tuple[int, int, int] | None = None
+        self._gc_at = 0.0
         #: Where `w` writes (the working directory by default).
         self.export_dir = export_dir or Path.cwd()
         #: The exception that stopped the source, for `run_app` and the CLI.
@@ -189,12 +204,14 @@ class OfftopApp(App[int]):
     def on_mount(self) -> None:
         self.set_class(self.loading, "-loading")
         self.signals.install()
-        self.set_interval(1.0, self._check_stall)
+        self.set_interval(1.0, self._each_second)
         self.pump.start()
 
     def on_unmount(self) -> None:
         self.pump.stop()
         self.signals.remove()
+        if self._gc_thresholds is not None:
+            gc.set_threshold(*self._gc_thresholds)
 
     def exit(self, result: int | None = None, return_code: int = 0,
              message: RenderableType | None = None) -> None:
@@ -265,16 +282,36 @@ class OfftopApp(App[int]):
         self._held = None
         self._arrived = self.clock()
         taken = self.pump.arrivals.take()
+        self._shown += 1
+        if self.freeze_gc and self._shown % self.FULL_GC_EVERY == 1:
+            self.call_after_refresh(self._full_gc)
         with self.batch_update():
             if self.loading:
                 self.loading = False
-                if self.freeze_gc:
-                    self.call_after_refresh(_freeze_gc)
             self.behind = self.stalled_s = 0
             self.index = index
             self.arrived = taken
             if taken.notices:
                 self.notices = taken.notices[-3:]
+        self.call_after_refresh(self.pump.fold_since_start)
+
+    def _full_gc(self) -> None:
+        """A full pass of the cyclic GC, now that a snapshot is drawn; the
+        first also freezes what is alive and stops Python's own full passes."""
+        if self._gc_thresholds is None:
+            self._gc_thresholds = gen0, gen1, _ = gc.get_threshold()
+            _freeze_gc()
+            gc.set_threshold(gen0, gen1, self.NO_FULL_GC)
+        else:
+            gc.collect()
+        self._gc_at = time.monotonic()
+
+    def _each_second(self) -> None:
+        self._check_stall()
+        # Paused, or no data coming: the GC's full passes still come.
+        if (self._gc_thresholds is not None
+                and time.monotonic() - self._gc_at >= self.FULL_GC_MAX_S):
+            self._full_gc()
 
     def _check_stall(self) -> None:
         """A running source more than three intervals late is said to be."""
@@ -316,9 +353,10 @@ class OfftopApp(App[int]):
 
     @on(StacksPane.ViewChanged)
     def _view_changed(self, event: StacksPane.ViewChanged) -> None:
-        # On the screen, where the size breakpoints are: the short layout
-        # swaps the task table for the tree or flame graph (see app.tcss).
-        self.screen.set_class(event.view != "stacks", "-drilled")
+        # The short layout swaps the task table for the tree or flame graph
+        # (see app.tcss). On the left column, which holds both: a class on
+        # the screen would restyle every widget (~15 ms at each Enter and Esc).
+        self.query_one("#left").set_class(event.view != "stacks", "-drilled")
 
     @on(ThresholdPane.Changed)
     def _threshold_asked(self, event: ThresholdPane.Changed) -> None:

@@ -2,8 +2,9 @@
 and posts what it gives to the app, and the messages it posts.
 
 Everything a snapshot costs before it can be shown happens in that thread,
-off the event loop: its index (`SnapshotIndex`), the since-start totals and
-the queue of what it brought (`Arrivals`). A backlog of `SnapshotReady`
+off the event loop: its index (`SnapshotIndex`) and the queue of what it
+brought (`Arrivals`). Its stacks are summed into the since-start totals
+once it is on screen, in another thread (`fold_since_start`). A backlog of `SnapshotReady`
 collapses to the newest; long blocks, counts and notices wait in `Arrivals`,
 so none is lost.
 
@@ -67,8 +68,9 @@ class SnapshotPump:
     """Runs the source in a worker thread and posts what it gives to the app.
 
     Everything a snapshot costs before it can be shown happens here, off the
-    event loop: its index, the since-start totals, the queue of what it
-    brought. `stopping` ends the thread at its next wait.
+    event loop: its index, the queue of what it brought; the since-start
+    totals are summed once it is shown (`fold_since_start`). `stopping` ends
+    the thread at its next wait.
     """
 
     def __init__(self, app: App[int], source: SnapshotSource, interval_s: float) -> None:
@@ -123,24 +125,29 @@ class SnapshotPump:
         return self._position != last + 1
 
     def publish(self, snap: Snapshot, *, restart: bool = False) -> None:
-        """Index a snapshot, queue what it brought, post it, then add it to
-        the since-start totals (after: the screen need not wait for that).
+        """Index a snapshot, queue what it brought and its stacks for the
+        since-start totals, and post it.
 
         `restart`: a replay jumped, the totals and the log start again here.
-        A replay adds first: paused, it sends no next snapshot whose totals
-        would catch up with one ranked before its own were added.
+        The stacks are queued before the post: a ranking asked for once the
+        snapshot is shown sums them first (`SinceStart.ranked`), even if
+        `fold_since_start` has not run yet.
         """
         index = SnapshotIndex(snap, self.catalog)
         if restart:
             self.since_start.clear()
             self.arrivals.restart()
         self.arrivals.put(snap)
-        replay = isinstance(self.source, TimeTravel)
-        if replay:
-            self.since_start.add(index)
+        self.since_start.add(index)
         self.app.post_message(SnapshotReady(index))
-        if not replay:
-            self.since_start.add(index)
+
+    def fold_since_start(self) -> None:
+        """Sum the queued stacks into the since-start totals in a thread (the
+        app calls this once a snapshot is on screen: the sum never delays it)."""
+        if self.since_start.pending and not self.stopping.is_set():
+            self.app.run_worker(self.since_start.fold, name="since-start fold",
+                                group="since-start-fold", thread=True, exit_on_error=False,
+                                description="since-start fold")
 
 
 class ExitSignals:

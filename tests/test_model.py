@@ -269,3 +269,36 @@ def test_a_small_stack_cap_ranks_as_the_whole_list_does_ties_included() -> None:
         agg.max_stacks = cap  # under a quarter of the stacks: cut by time first
         top = build(agg, samples)
         assert top.stacks == whole.stacks[:cap] and top.omitted_stacks == 40 - cap
+
+
+def test_since_start_sheds_down_to_three_quarters_even_among_equal_totals() -> None:
+    agg, since = Aggregator(), SinceStart(max_entries=8)
+    since.add(SnapshotIndex(build(agg, [s(t, 5) for t in range(1, 11)])))
+    assert len(since.ranked()) == 6 and since.dropped_ns == 4 * 5
+    # Shedding waits for another quarter of new keys, then drops the lightest.
+    since.add(SnapshotIndex(build(agg, [s(20, 1), s(21, 1)])))
+    assert len(since.ranked()) == 8
+    since.add(SnapshotIndex(build(agg, [s(30, 100)])))
+    kept = since.ranked()
+    assert len(kept) == 6 and kept[0].tid == 30 and all(r.tid < 20 for r in kept[1:])
+    assert since.dropped_ns == 4 * 5 + 2 * 1 + 5
+
+
+def test_since_start_queues_what_is_added_and_a_ranking_sums_it_first() -> None:
+    agg, since = Aggregator(), SinceStart()
+    since.add(SnapshotIndex(build(agg, [s(11, 100)])))
+    since.add(SnapshotIndex(build(agg, [s(11, 200), s(12, 5)])))
+    assert since.pending == 2 and since.snapshots == 2
+    since.fold()
+    assert since.pending == 0
+    since.add(SnapshotIndex(build(agg, [s(11, 300)])))
+    assert [(r.tid, r.offcpu_ns, r.count) for r in since.ranked()] == [(11, 600, 3), (12, 5, 1)]
+    assert since.pending == 0
+    # Nothing folding: add folds once MAX_PENDING snapshots wait.
+    for _ in range(SinceStart.MAX_PENDING + 1):
+        since.add(SnapshotIndex(build(agg, [s(12, 1)])))
+    assert since.pending == 0
+    since.clear()
+    since.add(SnapshotIndex(build(agg, [s(13, 7)])))
+    since.clear()
+    assert since.pending == 0 and since.ranked() == ()

@@ -8,6 +8,7 @@ blocked now, long blocks, the threshold, layouts, keys.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import gzip
 import json
 import os
@@ -490,7 +491,7 @@ async def test_drill_down_into_the_callchain_tree_and_back() -> None:
         await pilot.press("down", "enter")
         await pilot.pause()
         assert app.drilled and pane(app).current == "tree"
-        assert app.screen.has_class("-drilled")
+        assert app.query_one("#left").has_class("-drilled")
         tree = app.query_one(CallchainTree)
         assert app.focused is tree
         assert task.comm in str(tree.root.label)
@@ -656,6 +657,60 @@ async def test_since_start_sums_the_stacks_of_every_snapshot() -> None:
         await pilot.pause()
         assert sum(s.offcpu_ns for s in shown_stacks(app)) == sum(
             s.offcpu_ns for s in SNAPS[2].stacks_of(tid))
+
+
+async def test_the_since_start_sum_waits_until_its_snapshot_is_shown() -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        since = app.pump.since_start
+        await until(pilot, lambda: since.pending == 0, "the first snapshot summed")
+        app.paused = True
+        app.publish(SNAPS[1])
+        await until(pilot, lambda: app.behind == 1, "the snapshot held")
+        await pilot.pause(0.05)
+        assert since.pending == 1 and since.snapshots == 2  # queued, not summed
+        app.paused = False
+        await shown(pilot, app, seq=SNAPS[1].seq)
+        await until(pilot, lambda: since.pending == 0, "the shown snapshot summed")
+        tid = SNAPS[1].tasks[0].tid
+        assert sum(r.offcpu_ns for r in since.ranked() if r.tid == tid) == sum(
+            s.offcpu_ns for snap in SNAPS[:2] for s in snap.stacks_of(tid))
+
+
+async def test_an_app_owning_the_gc_makes_its_full_passes_after_drawing() -> None:
+    before = gc.get_threshold()
+    full: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2 and app.received:
+            full.append(app.received)
+
+    app = OfftopApp(fake_source(), clock=FakeClock(), freeze_gc=True)
+    app.FULL_GC_EVERY = 2  # a full pass every other snapshot shown
+    gc.callbacks.append(count)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await shown(pilot, app)
+            await until(pilot, lambda: gc.get_threshold()[2] == OfftopApp.NO_FULL_GC,
+                        "Python's own full passes stopped")
+            for snap in SNAPS[1:]:
+                app.publish(snap)
+                await shown(pilot, app, seq=snap.seq)
+            assert len(SNAPS) == 4
+            await until(pilot, lambda: len(full) >= 2, "two full passes")
+            await pilot.pause()
+            # The first (freezing what is alive), then every other snapshot
+            # shown, and none of Python's own meanwhile.
+            assert full == [1, 3]
+            # Paused (no snapshot shown), one comes at least every FULL_GC_MAX_S.
+            app.paused = True
+            app.FULL_GC_MAX_S = 0.0
+            await until(pilot, lambda: len(full) >= 3, "a full pass while paused")
+        assert gc.get_threshold() == before
+    finally:
+        gc.callbacks.remove(count)
+        gc.unfreeze()
 
 
 async def test_flame_graph_of_the_scope_built_only_while_shown(
@@ -984,6 +1039,21 @@ async def test_small_terminals_degrade_without_crashing() -> None:
         await pilot.resize_terminal(140, 45)
         await pilot.pause()
         assert app.query_one("#right").display and not app.screen.has_class("-narrow")
+
+
+async def test_a_short_terminal_shows_one_pane_at_a_time_on_the_left() -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=(120, 20)) as pilot:
+        await shown(pilot, app)
+        assert app.screen.has_class("-short")
+        tasks, stacks = app.query_one(TaskTable), pane(app)
+        assert tasks.display and not stacks.display
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.drilled and stacks.display and not tasks.display
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not app.drilled and tasks.display and not stacks.display
 
 
 async def test_markup_in_comm_is_shown_literally() -> None:

@@ -217,6 +217,41 @@ async def test_line_table_redraws_only_the_rows_that_changed() -> None:
         assert table.cells_rendered == cells
 
 
+async def test_a_line_table_scrolls_further_or_less_without_laying_the_screen_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    table = NumberTable()
+    app = TableApp(table)
+    async with app.run_test(size=(40, 12)) as pilot:
+        table.sync_rows([(f"r{i}", (f"r{i}", i)) for i in range(100)])
+        await pilot.pause()
+        assert table.show_vertical_scrollbar
+        layouts: list[bool] = []
+        original = table.refresh
+
+        def spy(*regions: object, **kwargs: bool) -> object:
+            layouts.append(bool(kwargs.get("layout")))
+            return original(*regions, **kwargs)
+
+        monkeypatch.setattr(table, "refresh", spy)
+        table.action_last_row()
+        await pilot.pause()
+        assert table.scroll_offset.y == table.max_scroll_y == 101 - 12
+        # Fewer rows, still more than fit: the scroll is shorter, the view
+        # moves up to its new end, the scrollbar says so; no layout.
+        table.sync_rows([(f"r{i}", (f"r{i}", i)) for i in range(60)])
+        await pilot.pause()
+        assert not any(layouts)
+        assert table.virtual_size.height == 61 and table.max_scroll_y == 61 - 12
+        assert table.scroll_offset.y == table.max_scroll_y
+        assert table.vertical_scrollbar.window_virtual_size == 61
+        assert screen_lines(table)[-1].split() == ["r59", "59"]
+        # So few that the scrollbar goes: then the screen is laid out again.
+        table.sync_rows([(f"r{i}", (f"r{i}", i)) for i in range(3)])
+        await pilot.pause()
+        assert any(layouts) and not table.show_vertical_scrollbar
+        assert table.scroll_offset.y == 0 and screen_lines(table)[1].split() == ["r0", "0"]
+
+
 async def test_line_table_cursor_keeps_its_position_or_follows_its_key() -> None:
     app = TableApp(NumberTable())
     async with app.run_test(size=(40, 20)) as pilot:

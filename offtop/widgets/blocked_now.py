@@ -17,7 +17,7 @@ from typing import ClassVar
 from rich.text import Text
 from textual.binding import Binding, BindingType
 from textual.message import Message
-from textual.reactive import reactive
+from textual.reactive import var
 
 from offtop.model import BlockedNow, SnapshotIndex
 from offtop.safe_text import printable
@@ -57,15 +57,17 @@ class BlockedNowTable(LineTable[int]):
     #: Rows shown at most.
     MAX_ROWS: ClassVar[int] = 100
 
-    index: reactive[SnapshotIndex] = reactive(SnapshotIndex.empty, init=False)
+    # `var`s, not `reactive`s: a change redraws what its watcher says changed
+    # (a reactive would also repaint the whole pane, at every tick).
+    index: var[SnapshotIndex] = var(SnapshotIndex.empty, init=False)
     """The snapshot whose blocked tasks are shown."""
-    show_kernel: reactive[bool] = reactive(True, init=False)
+    show_kernel: var[bool] = var(True, init=False)
     """Kernel frames are shown."""
-    show_user: reactive[bool] = reactive(True, init=False)
+    show_user: var[bool] = var(True, init=False)
     """User frames are shown."""
-    hide_idle: reactive[bool] = reactive(False, init=False)
+    hide_idle: var[bool] = var(False, init=False)
     """Tasks in idle waits (`model.is_idle_wait`) are left out."""
-    paused: reactive[bool] = reactive(False, init=False)
+    paused: var[bool] = var(False, init=False)
     """The display is frozen: waits are not read."""
 
     #: How often waits are read from the source (seconds).

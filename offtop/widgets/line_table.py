@@ -376,7 +376,9 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
         self._layouts.clear()
         self._generation += 1
         self._rows.clear()
-        self._update_virtual_size()
+        # The virtual size once the caller's rows are in (a sync follows new
+        # columns): an empty table in between would lay the screen out twice.
+        self.call_later(self._update_virtual_size)
         self.refresh()
 
     def set_column_label(self, key: str, label: str | Text) -> None:
@@ -637,7 +639,34 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
         pad = 2 * self.CELL_PADDING
         width = sum(c.width + pad for c in self._table_columns)
         height = self._header_height + len(self._rows) * self.ROW_HEIGHT
-        self.virtual_size = Size(width, height)
+        size = Size(width, height)
+        if size == self.virtual_size:
+            return
+        if not self._scrollbars_stay(size):
+            self.virtual_size = size  # lays the screen out again
+            return
+        # Only the length of the scroll changed: the scrollbar is told, and
+        # no layout is asked for (Textual lays out the whole screen and
+        # repaints what moved at every change of a virtual size: 15-30 ms
+        # for a task whose stacks are one row more than the last one's).
+        self.set_reactive(LineTable.virtual_size, size)
+        if self.show_vertical_scrollbar:
+            self.vertical_scrollbar.window_virtual_size = height
+        if self.scroll_offset.y > self.max_scroll_y:
+            self.scroll_to(y=self.max_scroll_y, animate=False, force=True)
+
+    def _scrollbars_stay(self, size: Size) -> bool:
+        """A virtual size of `size` would show the same scrollbars as now (the
+        width unchanged, the height on the same side of the view's, by a margin
+        of a horizontal scrollbar)."""
+        view = self.container_size
+        styles = self.styles
+        if (not view or size.width != self.virtual_size.width
+                or styles.overflow_x != "auto" or styles.overflow_y != "auto"):
+            return False
+        if self.show_vertical_scrollbar:
+            return size.height > view.height
+        return size.height <= view.height - styles.scrollbar_size_horizontal
 
     def _refresh_row(self, row: int) -> None:
         """Redraw the lines of row `row` if they are in view."""

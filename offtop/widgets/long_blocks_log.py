@@ -28,7 +28,7 @@ from textual import events
 from textual.binding import Binding, BindingType
 from textual.cache import LRUCache
 from textual.message import Message
-from textual.reactive import reactive
+from textual.reactive import var
 from textual.strip import Strip
 from textual.widget import Widget
 
@@ -119,13 +119,15 @@ class LongBlocksLog(Widget, can_focus=True):
     #: Blocks kept (and listed).
     MAX_LINES: ClassVar[int] = 500
 
-    arrived: reactive[Taken | None] = reactive(None, always_update=True, init=False)
+    # `var`s, not `reactive`s: a change redraws what its watcher says changed
+    # (a reactive would also repaint the whole pane, at every tick).
+    arrived: var[Taken | None] = var(None, always_update=True, init=False)
     """What arrived with the snapshot just shown (the app binds it)."""
-    threshold_ns: reactive[int] = reactive(0, init=False)
+    threshold_ns: var[int] = var(0, init=False)
     """The threshold in force (for the title)."""
-    show_kernel: reactive[bool] = reactive(True, init=False)
+    show_kernel: var[bool] = var(True, init=False)
     """Kernel frames are shown."""
-    show_user: reactive[bool] = reactive(True, init=False)
+    show_user: var[bool] = var(True, init=False)
     """User frames are shown."""
 
     class Chosen(Message):

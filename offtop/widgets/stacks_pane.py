@@ -30,7 +30,7 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.message import Message
-from textual.reactive import reactive
+from textual.reactive import var
 from textual.widgets import ContentSwitcher
 
 from offtop.model import (
@@ -76,24 +76,26 @@ class StacksPane(ContentSwitcher):
     #: this before the next build (a big graph is not rebuilt every tick).
     FLAME_IDLE_FACTOR: ClassVar[float] = 9.0
 
-    index: reactive[SnapshotIndex] = reactive(SnapshotIndex.empty, init=False)
+    # `var`s, not `reactive`s: a change redraws what its watcher says changed
+    # (a reactive would also repaint the whole pane, at every tick).
+    index: var[SnapshotIndex] = var(SnapshotIndex.empty, init=False)
     """The snapshot shown (the app binds it)."""
-    show_kernel: reactive[bool] = reactive(True, init=False)
+    show_kernel: var[bool] = var(True, init=False)
     """Kernel frames are shown (bound)."""
-    show_user: reactive[bool] = reactive(True, init=False)
+    show_user: var[bool] = var(True, init=False)
     """User frames are shown (bound)."""
-    hide_idle: reactive[bool] = reactive(False, init=False)
+    hide_idle: var[bool] = var(False, init=False)
     """Idle waits are left out (bound)."""
-    filter_text: reactive[str] = reactive("", init=False)
+    filter_text: var[str] = var("", init=False)
     """All tasks' stacks: only those of matching tasks or frames; the flame
     graph highlights matching frames (bound)."""
-    all_tasks: reactive[bool] = reactive(False, init=False)
+    all_tasks: var[bool] = var(False, init=False)
     """The stacks of every task, not the selected one's."""
-    view: reactive[View] = reactive("stacks", init=False)
+    view: var[View] = var("stacks", init=False)
     """The table, the tree or the flame graph."""
-    merge: reactive[MergeBy] = reactive("none", init=False)
+    merge: var[MergeBy] = var("none", init=False)
     """How identical stacks are merged in the table."""
-    cumulative: reactive[bool] = reactive(False, init=False)
+    cumulative: var[bool] = var(False, init=False)
     """Stacks summed since offtop started, not the last interval's."""
 
     class SinceStartReady(Message):
@@ -410,7 +412,10 @@ class StacksPane(ContentSwitcher):
         self._searched = self.filter_text.strip()
         self.query_one(FlameGraph).search(self._searched)
 
-    @work(thread=True, exclusive=True, group="flame", exit_on_error=False)
+    # A description given: Textual would otherwise make one of the arguments' reprs,
+    # on the event loop (20,000 stack rows: a quarter of a second).
+    @work(thread=True, exclusive=True, group="flame", exit_on_error=False,
+          description="flame graph")
     def _build_flame(self, stacks: list[StackRow], title: str, group: GroupBy,
                      inputs: tuple[Hashable, ...], frames: tuple[bool, bool]) -> None:
         """Merge the stacks into a flame tree off the event loop."""
@@ -443,7 +448,8 @@ class StacksPane(ContentSwitcher):
             self._since_asked += 1
             self._rank_worker(self._since_asked, wanted)
 
-    @work(thread=True, exclusive=True, group="since-start", exit_on_error=False)
+    @work(thread=True, exclusive=True, group="since-start", exit_on_error=False,
+          description="since-start ranking")
     def _rank_worker(self, seq: int, wanted: tuple[Scope, int | None]) -> None:
         """Rank a scope's since-start totals off the event loop."""
         scope, limit = wanted

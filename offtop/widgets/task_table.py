@@ -24,7 +24,7 @@ from rich.text import Text
 from textual import events
 from textual.binding import Binding, BindingType
 from textual.message import Message
-from textual.reactive import reactive
+from textual.reactive import var
 
 from offtop.model import Frame, ProcessRow, RowKey, SnapshotIndex, TaskRow
 from offtop.safe_text import printable
@@ -135,15 +135,17 @@ class TaskTable(LineTable[RowKey]):
     #: Rows shown at most; the rest are counted ("N more") and found by filter.
     MAX_ROWS: ClassVar[int] = 150
 
-    index: reactive[SnapshotIndex] = reactive(SnapshotIndex.empty, init=False)
+    # `var`s, not `reactive`s: a change redraws what its watcher says changed
+    # (a reactive would also repaint the whole pane, at every tick).
+    index: var[SnapshotIndex] = var(SnapshotIndex.empty, init=False)
     """The snapshot shown, with its lookups."""
-    processes: reactive[bool] = reactive(False, init=False)
+    processes: var[bool] = var(False, init=False)
     """Rank processes instead of threads."""
-    filter_text: reactive[str] = reactive("", init=False)
+    filter_text: var[str] = var("", init=False)
     """Only rows whose name, pid or frames contain this."""
-    hide_idle: reactive[bool] = reactive(False, init=False)
+    hide_idle: var[bool] = var(False, init=False)
     """Hide the rows whose off-CPU time was all idle waits (`model.is_idle_wait`)."""
-    follow_task: reactive[bool] = reactive(False, init=False)
+    follow_task: var[bool] = var(False, init=False)
     """Keep the cursor on its task across refreshes (htop's F), not on its row."""
 
     class TaskHighlighted(Message):
