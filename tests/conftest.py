@@ -23,6 +23,13 @@ from typing import Any
 
 import pytest
 
+# A suite started in the background by a non-interactive shell (`make test &` in a
+# script, some CI runners) inherits SIGINT ignored, and so would every offtop it
+# starts: Ctrl-C would never reach them, and the tests that press it would hang.
+# A handler here (any but "ignore") is reset to the default in each child.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD_SRC = ROOT / "tests" / "workloads" / "offtop_workload.c"
 REQUIRE_BPF = os.environ.get("OFFTOP_REQUIRE_BPF") == "1"
