@@ -82,28 +82,12 @@ def process_start_time(pid: int) -> int | None:
 
 
 class KernelSymbols:
-    """/proc/kallsyms, sorted, looked up by bisection, cached per address.
-
-    Read at the first look-up or `load()`, not when made: reading and sorting
-    ~120,000 lines takes ~110 ms, and the engine loads it at its first sub-tick,
-    inside the first interval (the engine mostly waits then), before that
-    sub-tick's time budgets start. In the same thread: a reader thread beside
-    the first interval held the GIL against its budgets.
-    """
+    """/proc/kallsyms, sorted, looked up by bisection, cached per address."""
 
     def __init__(self, path: str = "/proc/kallsyms") -> None:
-        self._path = path
-        self._addrs: list[int] | None = None
-        self._names: list[str] = []
-        self._cache: dict[int, Frame] = {}
-
-    def load(self) -> None:
-        """Read the file now, if not yet (OSError if it cannot be read)."""
-        if self._addrs is not None:
-            return
         addrs: list[int] = []
         names: list[str] = []
-        with open(self._path) as f:
+        with open(path) as f:
             for line in f:
                 parts = line.split()
                 if len(parts) < 3 or parts[1] not in "tTwW":
@@ -114,22 +98,19 @@ class KernelSymbols:
                 addrs.append(addr)
                 names.append(parts[2])
         order = sorted(range(len(addrs)), key=addrs.__getitem__)
-        self._names = [names[i] for i in order]
         self._addrs = [addrs[i] for i in order]
-
-    @property
-    def available(self) -> bool:
-        """False when kptr_restrict hides addresses (all zero) from unprivileged readers."""
-        self.load()
-        return bool(self._addrs)
+        self._names = [names[i] for i in order]
+        self._cache: dict[int, Frame] = {}
+        if not self._addrs:
+            # kptr_restrict hides addresses (all zero) from unprivileged readers.
+            self.available = False
+        else:
+            self.available = True
 
     def resolve(self, addr: int) -> Frame:
         """The function containing `addr`, or the address itself."""
         f = self._cache.get(addr)
         if f is None:
-            if self._addrs is None:
-                self.load()
-            assert self._addrs is not None
             i = bisect.bisect_right(self._addrs, addr) - 1
             name = self._names[i] if i >= 0 else f"0x{addr:x}"
             f = self._cache[addr] = Frame(name=name, module="kernel", kernel=True)

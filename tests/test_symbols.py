@@ -56,20 +56,6 @@ def test_kallsyms_bisects_and_strips_tracer_frames(tmp_path: Path) -> None:
     assert all(f.kernel for f in frames)
 
 
-def test_kallsyms_is_read_at_load_not_when_made(tmp_path: Path) -> None:
-    """Made at start-up, read at the engine's first sub-tick (inside the first
-    interval, in the engine's own thread): making one reads nothing."""
-    ks = tmp_path / "kallsyms"
-    k = KernelSymbols(str(ks))  # no file yet: nothing read
-    ks.write_text("ffffffff81000000 T schedule\n")
-    k.load()
-    ks.write_text("ffffffff81000000 T other\n")  # read once: later changes unseen
-    assert k.resolve(0xFFFFFFFF81000010).name == "schedule" and k.available
-    gone = KernelSymbols(str(tmp_path / "missing"))
-    with pytest.raises(FileNotFoundError):
-        gone.resolve(0xFFFFFFFF81000010)
-
-
 def test_tracer_frames_only_stripped_from_the_innermost_end() -> None:
     fs = [Frame("perf_trace_sched_switch"), Frame("__schedule"), Frame("bpf_prog_x")]
     assert [f.name for f in strip_tracer_frames(fs)] == ["__schedule", "bpf_prog_x"]

@@ -343,9 +343,6 @@ class BpfSource:
 
     def _subtick(self, now: float) -> None:
         """Resolve what arrived since the last sub-tick, while processes live."""
-        if self._ksyms is not None:
-            self._ksyms.load()  # the first time only (see KernelSymbols): before the budget
-            now = self._clock()
         self._next_subtick = now + self.config.subtick_s
         deadline = self._deadline = now + self.config.symbol_budget_s
         self.frames.new_subtick()
