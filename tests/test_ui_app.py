@@ -694,15 +694,18 @@ async def test_an_app_owning_the_gc_makes_its_full_passes_after_drawing() -> Non
             await shown(pilot, app)
             await until(pilot, lambda: gc.get_threshold()[2] == OfftopApp.NO_FULL_GC,
                         "Python's own full passes stopped")
+            # The first pass froze what was alive. (Python's own passes until the
+            # first draw are not the app's to stop: counted from here.)
+            assert 1 in full and gc.get_freeze_count() > 0
+            full.clear()
             for snap in SNAPS[1:]:
                 app.publish(snap)
                 await shown(pilot, app, seq=snap.seq)
             assert len(SNAPS) == 4
-            await until(pilot, lambda: len(full) >= 2, "two full passes")
+            await until(pilot, lambda: len(full) >= 1, "a full pass")
             await pilot.pause()
-            # The first (freezing what is alive), then every other snapshot
-            # shown, and none of Python's own meanwhile.
-            assert full == [1, 3]
+            # Then every other snapshot shown, and none of Python's own meanwhile.
+            assert full == [3]
             # Paused (no snapshot shown), one comes at least every FULL_GC_MAX_S.
             app.paused = True
             app.FULL_GC_MAX_S = 0.0
