@@ -120,9 +120,10 @@ class BlockFrames:
             return
         until = self._clock() + budget_s
         for tid, b in self.before.blocks():
-            if b.pid and not self.unwound.unwind(b.pid, tid, b.ts, 0, until) \
-                    and self._clock() > until:
+            if self._clock() > until:
                 break
+            if b.pid:
+                self.unwound.unwind(b.pid, tid, b.ts, 0, until)
 
     def unwound_frames(self, tid: int, ts: int, deadline: float | None,
                        *, pop: bool = False) -> tuple[Frame, ...] | None:

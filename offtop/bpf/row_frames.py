@@ -27,6 +27,9 @@ with process churn, the rows of processes gone would pile up.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
 from offtop.bpf.block_frames import BlockFrames
 from offtop.bpf.decode import ST_BEFORE_START
 from offtop.bpf.wakers import RawWaker, Wakers
@@ -35,6 +38,45 @@ from offtop.model import Frame, Waker
 #: (kernel frames, user frames, began before offtop, waker, process start time)
 Resolved = tuple[tuple[Frame, ...], tuple[Frame, ...], bool, Waker | None, int]
 
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class _Recent(Generic[K, V]):
+    """A bounded map whose entries nobody asked for in a whole interval are dropped:
+    `rotate()` once an interval; what is found is kept on for the next."""
+
+    def __init__(self, max_kept: int) -> None:
+        self._max = max_kept
+        self._now: dict[K, V] = {}
+        self._before: dict[K, V] = {}  # kept before the last rotate, not asked for since
+
+    def __len__(self) -> int:
+        return len(self._now) + len(self._before)
+
+    def find(self, key: K) -> bool:
+        """Whether `key` is kept (then `self[key]` is its value, kept on)."""
+        if key in self._now:
+            return True
+        if key in self._before:
+            self._now[key] = self._before.pop(key)
+            return True
+        return False
+
+    def __getitem__(self, key: K) -> V:
+        return self._now[key]
+
+    def put(self, key: K, value: V) -> None:
+        if len(self._now) >= self._max:
+            self._now.clear()
+        self._now[key] = value
+
+    def rotate(self) -> None:
+        self._before, self._now = self._now, {}
+
+    def clear(self) -> None:
+        self._now, self._before = {}, {}
+
 
 class RowFrames:
     """Resolves summed rows (see the module docstring); bounded by `max_kept`."""
@@ -42,24 +84,20 @@ class RowFrames:
     def __init__(self, frames: BlockFrames, wakers: Wakers, *, max_kept: int = 100_000) -> None:
         self._frames = frames
         self._wakers = wakers
-        self._max = max_kept
-        self._kept: dict[tuple[int, ...], tuple[tuple[Frame, ...], tuple[Frame, ...], bool]] = {}
-        self._wakers_kept: dict[tuple[int | bytes, ...], Waker | None] = {}
-        # What was kept in the interval before: moved back into the above when
-        # asked for, dropped at the next interval if not.
-        self._old: dict[tuple[int, ...], tuple[tuple[Frame, ...], tuple[Frame, ...], bool]] = {}
-        self._wakers_old: dict[tuple[int | bytes, ...], Waker | None] = {}
+        self._kept: _Recent[tuple[int, ...],
+                            tuple[tuple[Frame, ...], tuple[Frame, ...], bool]] = _Recent(max_kept)
+        self._wakers_kept: _Recent[tuple[int | bytes, ...], Waker | None] = _Recent(max_kept)
         self._generation = -1
         self.hits = 0  #: rows resolved from what was kept (cumulative)
         self.misses = 0  #: rows resolved afresh (cumulative)
 
     def __len__(self) -> int:
-        return len(self._kept) + len(self._old)
+        return len(self._kept)
 
     def next_interval(self) -> None:
         """What was not asked for since the last call is dropped at the next."""
-        self._old, self._kept = self._kept, {}
-        self._wakers_old, self._wakers_kept = self._wakers_kept, {}
+        self._kept.rotate()
+        self._wakers_kept.rotate()
 
     def resolve(self, tgid: int, tid: int, st: int, us: int, ks: int, waker: RawWaker,
                 deadline: float) -> Resolved:
@@ -68,29 +106,23 @@ class RowFrames:
         stacks = frames.stacks
         assert stacks is not None
         if stacks.generation != self._generation:
-            self._kept, self._wakers_kept, self._old, self._wakers_old = {}, {}, {}, {}
+            self._kept.clear()
+            self._wakers_kept.clear()
             self._generation = stacks.generation
         start = frames.start_of(tgid)
         py = frames.python
         python = py is not None and py.is_python(tgid)
         key = (tgid, start, tid, st, us, ks)
-        hit = self._kept.get(key)
-        if hit is None:
-            hit = self._old.pop(key, None)
-            if hit is not None:
-                self._kept[key] = hit
-        if hit is not None and not python:
+        if not python and self._kept.find(key):
             stacks.touch(ks, us)
             self.hits += 1
-            kernel, user, before = hit
+            kernel, user, before = self._kept[key]
         else:
             self.misses += 1
             kernel, user, before = frames.frames_of(tgid, tid, st, us, ks, deadline)
             if (start and not python and not st & ST_BEFORE_START and not frames.gave_up()
                     and stacks.final(tgid, start, us)):
-                if len(self._kept) >= self._max:
-                    self._kept.clear()
-                self._kept[key] = (kernel, user, before)
+                self._kept.put(key, (kernel, user, before))
         return kernel, user, before, self._waker(waker), start
 
     def _waker(self, raw: RawWaker) -> Waker | None:
@@ -100,15 +132,11 @@ class RowFrames:
         wtgid, wus, wks = raw[0], raw[2], raw[3]
         wstart = frames.start_of(wtgid) if wtgid > 0 and wus >= 0 else 0
         key = (*raw, wstart)
-        if key not in self._wakers_kept and key in self._wakers_old:
-            self._wakers_kept[key] = self._wakers_old.pop(key)
-        if key in self._wakers_kept:
+        if self._wakers_kept.find(key):
             stacks.touch(wks, wus)
             return self._wakers_kept[key]
         w = self._wakers.waker(raw)
         if ((wstart or wus < 0) and not frames.gave_up()
                 and (wus < 0 or stacks.final(wtgid, wstart, wus))):
-            if len(self._wakers_kept) >= self._max:
-                self._wakers_kept.clear()
-            self._wakers_kept[key] = w
+            self._wakers_kept.put(key, w)
         return w
