@@ -298,10 +298,11 @@ def test_folded_output_is_flamegraph_ready(workloads: Any) -> None:
 
 
 def test_limited_json_counts_the_stacks_it_left_out(workloads: Any) -> None:
-    """`--limit 2`: rows beyond the top two are not made, but counted as omitted
-    (the machine's own sleepers are many more than two stacks a second)."""
-    w = workloads("sleep", "20", "100")
-    snaps = offtop_json("--limit", "2", count=2, interval="0.5")
+    """`--limit 2`: rows beyond the top two are not made, but counted as omitted.
+    The workload blocks in 16 distinct stacks round after round, so every interval
+    has more than two of its own (a quiet machine's other sleepers may not)."""
+    w = workloads("stacks", "16")
+    snaps = offtop_json("--limit", "2", "-p", str(w.pid), count=2, interval="0.5")
     w.proc.kill()
     for d in snaps:
         assert len(d["stacks"]) == 2 and d["omitted"]["stacks"] > 0, d["omitted"]
