@@ -925,9 +925,9 @@ def test_batch_signal_during_startup_exits_at_once(bpf_available: None, after_s:
 @pytest.mark.bpf
 def test_a_hurried_engine_counts_everything_and_resolves_nothing_new(
         bpf_available: None, workloads: Any) -> None:
-    """After `hurry()` (a stop is coming) and its time to finish (0 here), blocks are
-    still counted whole; their stacks, new in that interval, are marked not resolved
-    instead of being symbolized."""
+    """After `hurry()` (a stop is coming) and its time to finish (0 here), the blocks
+    up to the stop are still counted whole, their stacks marked not resolved instead
+    of being symbolized; recording ends there (the probe detaches meanwhile)."""
     from offtop.bpf.engine import BpfSource, EngineConfig
 
     w = workloads("sleep", "20")
@@ -938,12 +938,16 @@ def test_a_hurried_engine_counts_everything_and_resolves_nothing_new(
         first = src.next_snapshot(0.5, stop)
         assert first is not None
         assert any(f.name == "offtop_wl_sleep" for st in first.stacks for f in st.user)
+        time.sleep(0.4)  # ~20 blocks summed in the kernel, not read yet
         src.hurry(within_s=0)
         snap = src.next_snapshot(0.5, stop)
         assert snap is not None
         mine = [st for st in snap.stacks if st.tid == w.tid]
         assert sum(st.count for st in mine) >= 10, mine
         assert all(st.user == (Frame(MARK_NOT_RESOLVED),) and not st.kernel for st in mine), mine
+        after = src.next_snapshot(0.5, stop)
+        assert after is not None
+        assert not [st for st in after.stacks if st.tid == w.tid], "still recording after a stop"
     finally:
         src.close()
 

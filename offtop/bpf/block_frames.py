@@ -148,8 +148,10 @@ class BlockFrames:
         the stack ids still in use (for the stack store's reclaim)."""
         rows, live = reader.read()
         symbols = Budget(symbol_budget_s, self._clock)
+        # Once a stop's time to resolve is over, only what is known already is shown.
+        hurried = self.gave_up()
         unwinding = Budget(unwind_budget_s, self._clock)
-        if self.python is not None:
+        if self.python is not None and not hurried:
             self.python.read(BlockedThread(b.pid, b.tid, b.ts, b.ustack) for b in rows
                              if accepts(b.pid, b.tid))
         out = []
@@ -162,7 +164,7 @@ class BlockFrames:
             # server that was most of the unwinder's work, every snapshot).
             whole = not before and self.stacks is not None and self.stacks.whole(
                 b.pid, self.start_of(b.pid), b.ustack)
-            if self.unwound is not None and not whole:
+            if self.unwound is not None and not whole and not hurried:
                 with unwinding:
                     unwound_known = self.unwound.unwind(b.pid, b.tid, b.ts, b.ubp,
                                                         unwinding.deadline())

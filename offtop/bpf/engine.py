@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,10 @@ __all__ = ["BpfSource", "EngineConfig", "EngineError"]
 #: The stack ids of a row summed per thread and state once a stop came: no id the
 #: probe hands out (those are s32; -1 with -1 is a block from before the start).
 UNRESOLVED_ID = -(1 << 40)
+
+#: Rows summed between two looks at whether a stop's time to resolve is over
+#: (a flood of new stacks makes a row cost tens of microseconds).
+_STOP_CHECK_ROWS = 512
 
 #: The largest threshold the kernel map accepts (offtop.units bounds what users type).
 MAX_THRESHOLD_NS = 1 << 62
@@ -191,6 +196,7 @@ class BpfSource:
             # The program records nothing until its maps are set and every
             # CPU's ring is in place (else its first events would fail).
             self.probe.arm()
+            self.probe.detach_in_background()
         except Exception:
             self.close()
             raise
@@ -269,8 +275,11 @@ class BpfSource:
 
     def hurry(self, within_s: float = 0.1) -> None:
         """A stop is coming (see `offtop.source.Hurry`): what is left is resolved for
-        `within_s` more, then its stacks are marked not resolved."""
+        `within_s` more, then its stacks are marked not resolved. The probe is
+        detached meanwhile: the unfinished interval ends here (its blocked-now
+        list is as the stop found it)."""
         self.frames.hurry(within_s)
+        self.probe.detach_soon()
 
     def set_threshold(self, ns: int) -> None:
         """The user's long-block threshold, written into the running program (no reload)."""
@@ -354,22 +363,24 @@ class BpfSource:
         iv = self._interval
         rows = iv.rows
         accepts = self.targets.accepts
-        # Asked once a sub-tick, not per row: rows resolved after a stop came
-        # within it get the not-resolved mark anyway (BlockFrames.frames_of).
-        stopping = self.frames.gave_up()
-        for tgid, tid, st, us, ks, total, count, mx, comm, waker in self.probe.drain_aggregates():
-            if stopping:  # a row per thread and state, its stacks not resolved
-                key = (tgid, tid, st, UNRESOLVED_ID, UNRESOLVED_ID, 0, 0, 0, 0)
-            else:
-                key = (tgid, tid, st, us, ks, waker[0], waker[1], waker[4], 0)
-            row = rows.get(key)
-            if row is not None:
-                row.total += total
-                row.count += count
-                if mx > row.max_ns:
-                    row.max_ns = mx
-            elif accepts(tgid, tid):
-                rows[key] = self._new_row(key, total, count, mx, comm, waker, deadline)
+        drained = self.probe.drain_aggregates()
+        while chunk := list(islice(drained, _STOP_CHECK_ROWS)):
+            # Asked once a chunk, not per row: once a stop came and its time to
+            # resolve is over, the rest of the sub-tick's rows collapse at once.
+            stopping = self.frames.gave_up()
+            for tgid, tid, st, us, ks, total, count, mx, comm, waker in chunk:
+                if stopping:  # a row per thread and state, its stacks not resolved
+                    key = (tgid, tid, st, UNRESOLVED_ID, UNRESOLVED_ID, 0, 0, 0, 0)
+                else:
+                    key = (tgid, tid, st, us, ks, waker[0], waker[1], waker[4], 0)
+                row = rows.get(key)
+                if row is not None:
+                    row.total += total
+                    row.count += count
+                    if mx > row.max_ns:
+                        row.max_ns = mx
+                elif accepts(tgid, tid):
+                    rows[key] = self._new_row(key, total, count, mx, comm, waker, deadline)
         if self._event_acc:
             for ekey, (tot, cnt, mx, comm, wcomm, wus, wks) in self._event_acc.items():
                 key = (*ekey, 1)

@@ -6,8 +6,8 @@ process on a miss) and how its maps are laid out. Maps are reached by fd
 through the bpf() system call (`offtop.bpf.maps`), never through bcc.
 Everything it hands out is plain Python data (tuples of ints and bytes,
 ctypes records copied out of mapped memory); the engine turns that into
-the model. Only `set_threshold` and `kernel_threshold` may be called from
-another thread than the one that reads (single map operations).
+the model. Only `set_threshold`, `kernel_threshold` (single map operations)
+and `detach_soon` may be called from another thread than the one that reads.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import ctypes as ct
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from importlib import resources
@@ -88,6 +89,8 @@ class Probe:
         self.prog_fd = -1
         self._gen = 0
         self._stack_readers: dict[str, ElementReader] = {}
+        self._detach_asked = threading.Event()
+        self._detacher: threading.Thread | None = None
         #: How the program was obtained (cache hit or compile) and what it cost.
         self.report = LoadReport()
 
@@ -147,8 +150,37 @@ class Probe:
         """Start recording (offcpu.c CFG_ARMED): every map and ring is in place."""
         self._config_slot(CFG_ARMED, 1)
 
+    def detach_in_background(self) -> None:
+        """Have a thread detach the tracepoints once `detach_soon` is called.
+
+        Detaching waits for RCU grace periods (about 0.2 s here, more on a
+        busy machine). Begun when a stop comes, it overlaps the last
+        interval's build instead of adding to the exit.
+        """
+        obj = self._obj
+        if obj is None or self._detacher is not None:
+            return
+
+        def detach_when_asked() -> None:
+            self._detach_asked.wait()
+            obj.detach_all()
+
+        self._detacher = threading.Thread(target=detach_when_asked, name="offtop-detacher",
+                                          daemon=True)
+        self._detacher.start()
+
+    def detach_soon(self) -> None:
+        """Stop recording now: the tracepoints are detached in the background (see
+        `detach_in_background`); maps stay readable until `close`. Callable from
+        a signal handler or any thread."""
+        self._detach_asked.set()
+
     def close(self) -> None:
         """Detach and free everything; safe twice."""
+        if self._detacher is not None:
+            self._detach_asked.set()
+            self._detacher.join()
+            self._detacher = None
         for mm in (self.slots_mm, self._acc_mm):
             if mm is not None:
                 mm.close()
