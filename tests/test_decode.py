@@ -78,26 +78,34 @@ def test_bulk_event_decoding_gives_each_field_in_order() -> None:
 
 
 def test_generation_sums_read_each_field_of_this_generations_slots() -> None:
-    """Two slots, two generations each: only entries tagged gen + 1 are read, each
-    field where the C struct has it (distinct values: swapped fields fail)."""
+    """Two slots, two generations each: only entries marked touched and tagged gen + 1
+    are read, each field where the C struct has it (distinct values: swapped fields
+    fail); the marks read are given back."""
     size = ct.sizeof(decode.AccRecord)
     buf = bytearray(2 * 2 * size)
+    touched = bytearray(2 * 2)  # a byte per slot and parity: parity * slots + slot
 
-    def put(slot: int, gen: int, tag: int, tid: int) -> None:
+    def put(slot: int, gen: int, tag: int, tid: int, *, mark: bool = True) -> None:
         rec = decode.AccRecord(tag=tag, tid=tid, tgid=tid + 1, state=2, ustack=-14, kstack=5,
                                total_ns=700, max_ns=300, count=3, comm=b"abc",
                                w=decode.Waker(tgid=17, tid=19, ustack=21, kstack=-23,
                                               what=1 << 24, pad=0, comm=b"w"))
         off = (2 * slot + gen % 2) * size
         buf[off:off + size] = bytes(rec)
+        touched[(gen % 2) * 2 + slot] = int(mark)
 
     put(0, 4, 5, 100)   # generation 4's: read
-    put(1, 4, 3, 200)   # an older tag in the same entry: read before
+    put(1, 4, 3, 200)   # an older tag in the same entry, marked by a late store: not read
     put(1, 5, 6, 300)   # the other generation's
-    got = decode.generation_sums(buf, 2, 4)
+    got = decode.generation_sums(buf, touched, 2, 4)
     assert got == [(5, 100, 101, 2, -14, 5, 700, 300, 3, b"abc".ljust(16, b"\0"),
                     17, 19, 21, -23, 1 << 24, 0, b"w".ljust(16, b"\0"))]
-    assert [r[1] for r in decode.generation_sums(buf, 2, 5)] == [300]
+    assert touched == bytearray([0, 0, 0, 1])  # generation 4's marks given back, not 5's
+    assert [r[1] for r in decode.generation_sums(buf, touched, 2, 5)] == [300]
+    assert touched == bytearray(4)
+    # A generation's sums not marked are not read: the marks alone say where to look.
+    put(0, 6, 7, 400, mark=False)
+    assert decode.generation_sums(buf, touched, 2, 6) == []
 
 
 def test_states_and_flags() -> None:

@@ -86,6 +86,8 @@ class EngineConfig:
         for name, v in ints.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 1 << 24:
                 raise ValueError(f"{name}={v!r} is not a valid setting")
+        if self.start_entries % 8:  # offcpu_touched: a byte per slot, in u64 words
+            raise ValueError(f"OFFTOP_SLOTS={self.start_entries!r} is not a multiple of 8")
         return [f"-D{k}={v}" for k, v in ints.items()]
 
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import itertools
+import re
 import struct
 from typing import Any
 
@@ -135,23 +136,32 @@ ACC_STRUCT = struct.Struct("<IIIIiiQQQ16sIIiiII16s")
 assert ACC_STRUCT.size == ct.sizeof(AccRecord)
 
 
-def generation_sums(buf: Any, slots: int, gen: int) -> list[tuple[Any, ...]]:
+_NONZERO = re.compile(rb"[^\x00]+")
+
+
+def generation_sums(buf: Any, touched: Any, slots: int, gen: int) -> list[tuple[Any, ...]]:
     """The per-slot sums offcpu.c filled in generation `gen` (offcpu_acc's raw bytes),
     as `ACC_STRUCT` tuples.
 
-    Entry slot * 2 + gen % 2 of each slot; those tagged gen + 1 are this
-    generation's, older tags were read before. One strided view of the tag
-    column, so only used entries cost Python.
+    Entry slot * 2 + gen % 2 of each slot. `touched` (offcpu_touched's raw
+    bytes, writable) has a byte per slot and parity, set where the program
+    started a slot's sums: the generation's bytes are searched in C and
+    zeroed once read, so the cost grows with the slots used, not with the
+    array. A marked entry is read only if tagged gen + 1 (its generation).
     """
     size = ACC_STRUCT.size
-    words = memoryview(buf)[: 2 * slots * size].cast("I")
-    step = size // 4
-    tags = words[(gen % 2) * step:: 2 * step]
+    half = gen % 2
+    marks = memoryview(touched)[half * slots: (half + 1) * slots]
     want = (gen + 1) & 0xFFFFFFFF
     unpack = ACC_STRUCT.unpack_from
-    half = gen % 2
-    return [unpack(buf, (2 * i + half) * size)
-            for i in itertools.compress(range(slots), tags) if tags[i] == want]
+    out = []
+    for run in _NONZERO.finditer(marks):
+        for i in range(run.start(), run.end()):
+            rec = unpack(buf, (2 * i + half) * size)
+            if rec[0] == want:
+                out.append(rec)
+        marks[run.start(): run.end()] = bytes(run.end() - run.start())
+    return out
 
 
 # Where start_rec.tid sits, for scanning and freeing slots of offcpu_slots.

@@ -86,6 +86,7 @@ class Probe:
         self._obj: LoadedObject | None = None
         self.slots_mm: mmap.mmap | None = None
         self._acc_mm: mmap.mmap | None = None
+        self._touched_mm: mmap.mmap | None = None
         self.prog_fd = -1
         self._gen = 0
         self._stack_readers: dict[str, ElementReader] = {}
@@ -138,6 +139,8 @@ class Probe:
                                   mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._acc_mm = mmap.mmap(self._map("offcpu_acc").fd, 2 * n * ct.sizeof(AccRecord),
                                  mmap.MAP_SHARED, mmap.PROT_READ)
+        self._touched_mm = mmap.mmap(self._map("offcpu_touched").fd, 2 * n,
+                                     mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def set_perf_fd(self, cpu: int, fd: int) -> None:
         """Point the program's perf event array slot for `cpu` at our ring's fd."""
@@ -181,10 +184,10 @@ class Probe:
             self._detach_asked.set()
             self._detacher.join()
             self._detacher = None
-        for mm in (self.slots_mm, self._acc_mm):
+        for mm in (self.slots_mm, self._acc_mm, self._touched_mm):
             if mm is not None:
                 mm.close()
-        self.slots_mm = self._acc_mm = None
+        self.slots_mm = self._acc_mm = self._touched_mm = None
         if self._obj is not None:
             self._obj.close()  # tracepoints detached in parallel (see LoadedObject.detach_all)
             self._obj = None
@@ -278,9 +281,10 @@ class Probe:
             # (decode_comm), not split per row.
             yield (tgid, tid, st, us, ks, total, count, mx, comm,
                    (wtgid, wtid, wus, wks, what, wcomm))
-        assert self._acc_mm is not None
+        assert self._acc_mm is not None and self._touched_mm is not None
         for (_tag, tid, tgid, st, us, ks, total, mx, count, comm, wtgid, wtid, wus, wks, what,
-             _pad, wcomm) in generation_sums(self._acc_mm, self.config.start_entries, old):
+             _pad, wcomm) in generation_sums(self._acc_mm, self._touched_mm,
+                                             self.config.start_entries, old):
             yield (tgid, tid, st, us, ks, total, count, mx, comm,
                    (wtgid, wtid, wus, wks, what, wcomm))
 
