@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes as ct
 import errno
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -243,6 +244,10 @@ class BpfMap:
         self.value_bytes = ((spec.value_size + 7) & ~7) * self.ncpus if percpu else spec.value_size
         #: Whether the kernel did the batch commands on this map (None: not tried yet).
         self.batch_ok: bool | None = None
+        # items_raw's key and value buffers, kept: zeroing megabytes at every
+        # read cost more than the read of a map with few entries.
+        self._batch_lock = threading.Lock()
+        self._batch_bufs: tuple[int, ct.Array[ct.c_char], ct.Array[ct.c_char]] | None = None
 
     def __repr__(self) -> str:
         return f"BpfMap({self.spec.name!r}, fd={self.fd})"
@@ -389,8 +394,23 @@ class BpfMap:
         token_size = max(ks, 8)
         tok_in = ct.create_string_buffer(token_size)
         tok_out = ct.create_string_buffer(token_size)
-        keys = ct.create_string_buffer(count * ks)
-        values = ct.create_string_buffer(count * vs)
+        with self._batch_lock:
+            bufs, self._batch_bufs = self._batch_bufs, None  # this call's, until it returns
+        if bufs is None or bufs[0] < count:
+            bufs = (count, ct.create_string_buffer(count * ks), ct.create_string_buffer(count * vs))
+        try:
+            return self._read_batches(cmd, bufs, tok_in, tok_out)
+        finally:
+            with self._batch_lock:
+                self._batch_bufs = bufs
+
+    def _read_batches(self, cmd: int,
+                      bufs: tuple[int, ct.Array[ct.c_char], ct.Array[ct.c_char]],
+                      tok_in: ct.Array[ct.c_char], tok_out: ct.Array[ct.c_char]
+                      ) -> tuple[bytes, bytes, int] | None:
+        ks, vs = self.key_size, self.value_bytes
+        count, keys, values = bufs
+        token_size = len(tok_in)
         kparts: list[bytes] = []
         vparts: list[bytes] = []
         total = 0
