@@ -36,18 +36,20 @@ import math
 import re
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from offtop import __version__
 from offtop.export.accumulator import ProfileData
 from offtop.export.pprof import pprof_bytes
 from offtop.model import Snapshot
 from offtop.safe_text import printable
+
+if TYPE_CHECKING:  # urllib.request (with http.client, ssl, email) is imported when pushing:
+    import urllib.request  # ~25 ms of every start-up otherwise
 
 _APP_NAME = re.compile(r"[A-Za-z0-9_./-]+")
 _LABEL_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -252,6 +254,7 @@ class Pusher:
             self._send(snap)
 
     def _request(self, snap: Snapshot) -> urllib.request.Request:
+        import urllib.request  # see the module's imports
         for b in snap.long_blocks:
             if b.cgroup_id:
                 self._cgroups.pop(b.tid, None)
@@ -314,6 +317,8 @@ class Pusher:
             return
 
     def _post(self, req: urllib.request.Request) -> None:
+        import urllib.error
+        import urllib.request
         try:
             with urllib.request.urlopen(req, timeout=self._timeout) as resp:
                 resp.read()
