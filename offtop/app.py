@@ -293,7 +293,7 @@ class OfftopApp(App[int]):
             self.arrived = taken
             if taken.notices:
                 self.notices = taken.notices[-3:]
-        self.call_after_refresh(self.pump.settle_shown, index)
+        self.call_after_refresh(self.pump.fold_since_start)
 
     def _full_gc(self) -> None:
         """A full pass of the cyclic GC, now that a snapshot is drawn; the

@@ -938,15 +938,6 @@ class SnapshotIndex:
         """The chain facts of a stack (of this snapshot or any other)."""
         return self.catalog.info(stack.kernel, stack.user)
 
-    def warm_facts(self) -> None:
-        """Work out the chain facts of every stack of the snapshot now (in a worker
-        thread), so that asking for all of them on the event loop finds them made.
-        The engine hands out the same frame tuples interval after interval: all
-        but a snapshot's new chains are one dictionary lookup each."""
-        info = self.catalog.info
-        for s in self.snapshot.stacks:
-            info(s.kernel, s.user)
-
     def counterpart(self, key: RowKey) -> RowKey | None:
         """The row of the other mode for the same task: a thread's process,
         or a process's main thread (else its hottest thread)."""

@@ -4,7 +4,7 @@ and posts what it gives to the app, and the messages it posts.
 Everything a snapshot costs before it can be shown happens in that thread,
 off the event loop: its index (`SnapshotIndex`) and the queue of what it
 brought (`Arrivals`). Its stacks are summed into the since-start totals
-once it is on screen, in another thread (`settle_shown`). A backlog of `SnapshotReady`
+once it is on screen, in another thread (`fold_since_start`). A backlog of `SnapshotReady`
 collapses to the newest; long blocks, counts and notices wait in `Arrivals`,
 so none is lost.
 
@@ -22,7 +22,6 @@ import asyncio
 import signal
 import threading
 from collections.abc import Callable
-from functools import partial
 
 from rich.text import Text
 from textual.app import App
@@ -70,7 +69,7 @@ class SnapshotPump:
 
     Everything a snapshot costs before it can be shown happens here, off the
     event loop: its index, the queue of what it brought; the since-start
-    totals are summed once it is shown (`settle_shown`). `stopping` ends
+    totals are summed once it is shown (`fold_since_start`). `stopping` ends
     the thread at its next wait.
     """
 
@@ -132,7 +131,7 @@ class SnapshotPump:
         `restart`: a replay jumped, the totals and the log start again here.
         The stacks are queued before the post: a ranking asked for once the
         snapshot is shown sums them first (`SinceStart.ranked`), even if
-        `settle_shown` has not run yet.
+        `fold_since_start` has not run yet.
         """
         index = SnapshotIndex(snap, self.catalog)
         if restart:
@@ -142,22 +141,13 @@ class SnapshotPump:
         self.since_start.add(index)
         self.app.post_message(SnapshotReady(index))
 
-    def settle_shown(self, index: SnapshotIndex) -> None:
-        """Once `index` is on screen (the app calls this after drawing it), in a
-        thread: the queued stacks are summed into the since-start totals, and the
-        chain facts of every stack of the snapshot are worked out (a merge, an idle
-        filter or a flame graph asks for all of them at once, on the event loop).
-        Neither ever delays a snapshot."""
-        if self.stopping.is_set():
-            return
-        self.app.run_worker(partial(self._settle, index), name="settle shown",
-                            group="settle-shown", thread=True, exit_on_error=False,
-                            description="settle shown")
-
-    def _settle(self, index: SnapshotIndex) -> None:
-        if self.since_start.pending:
-            self.since_start.fold()
-        index.warm_facts()
+    def fold_since_start(self) -> None:
+        """Sum the queued stacks into the since-start totals in a thread (the
+        app calls this once a snapshot is on screen: the sum never delays it)."""
+        if self.since_start.pending and not self.stopping.is_set():
+            self.app.run_worker(self.since_start.fold, name="since-start fold",
+                                group="since-start-fold", thread=True, exit_on_error=False,
+                                description="since-start fold")
 
 
 class ExitSignals:

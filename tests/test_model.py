@@ -3,8 +3,6 @@ views the TUI derives (row keys, the snapshot index, idle waits, merging, since 
 
 from __future__ import annotations
 
-import pytest
-
 from offtop.model import (
     Aggregator,
     ChainCatalog,
@@ -187,26 +185,6 @@ def test_the_catalog_knows_a_chain_by_identity_and_by_name() -> None:
     small.info(SLEEP, user)
     assert small.info(FUTEX, user).chain not in (first,)
     assert small.info(kf("x"), ()).chain > first
-
-
-def test_warmed_facts_are_not_worked_out_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`warm_facts` (the worker, once a snapshot is shown) works out every stack's
-    chain facts: a merge on the event loop afterwards only looks them up."""
-    import offtop.model as model
-
-    stacks = tuple(StackRow(pid=10, tid=t, comm="wl", state="S", offcpu_ns=t, count=1,
-                            max_ns=t, kernel=k, user=uf(f"f{t}", "main"))
-                   for t, k in enumerate((EPOLL, SLEEP, FUTEX, SLEEP), start=1))
-    index = SnapshotIndex(Snapshot(seq=1, time=0.0, interval_s=1.0, threshold_ns=0,
-                                   stacks=stacks), ChainCatalog())
-    index.warm_facts()
-
-    def worked_out(*args: object) -> bool:
-        raise AssertionError("chain facts worked out again")
-
-    monkeypatch.setattr(model, "is_idle_wait", worked_out)
-    merged, groups = merge_identical(list(stacks), "process", index.facts)
-    assert groups == 4 and len(merged) == 4
 
 
 def stack(tid: int, ns: int, kernel: tuple[Frame, ...] = SLEEP, *, pid: int = 10,
