@@ -151,6 +151,16 @@ def task_of(snap: dict[str, Any], tid: int) -> dict[str, Any] | None:
     return next((t for t in snap["tasks"] if t["tid"] == tid), None)
 
 
+def process_ended(pid: int) -> bool:
+    """`pid` has exited: gone, or a zombie not reaped yet. Read once, so that a process
+    that goes between two looks at /proc counts as gone, not as an error."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(b")") + 2:].split()[0] == b"Z"
+
+
 def wait_until(pred: Any, timeout: float = 5.0, step: float = 0.05) -> bool:
     """Poll `pred()` until true or the timeout passes."""
     end = time.monotonic() + timeout

@@ -26,7 +26,7 @@ import pytest
 
 from offtop.model import MARK_NOT_RESOLVED, MARK_TRUNCATED, Aggregator, Frame, Sample, Snapshot
 from offtop.symbols import Mapping, UserSymbols
-from tests.conftest import ROOT, offtop_json, task_of, wait_until
+from tests.conftest import ROOT, offtop_json, process_ended, task_of, wait_until
 
 MS = 1_000_000
 
@@ -721,9 +721,7 @@ def test_tui_exits_fast_and_restores_the_terminal(bpf_available: None, workloads
             tmux.close()  # the pane's terminal goes away: SIGHUP to its processes
         else:
             os.kill(offtop, getattr(signal, how))
-        gone = wait_until(lambda: not Path(f"/proc/{offtop}").exists()
-                          or Path(f"/proc/{offtop}/stat").read_text().split()[2] == "Z",
-                          timeout=10, step=0.02)
+        gone = wait_until(lambda: process_ended(offtop), timeout=10, step=0.02)
         took = time.monotonic() - t0
         assert gone, f"offtop still running 10 s after {how}"
         assert took < 1.0, f"offtop took {took:.2f}s to exit after {how}"

@@ -33,7 +33,7 @@ from offtop.bpf import environment
 from offtop.bpf.environment import EnvironmentProblem
 from offtop.report import snapshot_to_json
 from offtop.synthetic import synthetic_snapshots
-from tests.conftest import ROOT, assert_one_line_error, need_root, wait_until
+from tests.conftest import ROOT, assert_one_line_error, need_root, process_ended, wait_until
 from tests.test_faults import Tmux, assert_detached
 
 OFFTOP = [sys.executable, "-m", "offtop.cli"]
@@ -278,9 +278,7 @@ def test_tui_with_stderr_closed_draws_and_quits(bpf_available: None, how: str) -
             os.kill(pid, signal.SIGTERM)
         else:
             tmux.run("send-keys", "-t", "t", how)
-        gone = wait_until(lambda: not Path(f"/proc/{pid}").exists()
-                          or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z",
-                          timeout=10, step=0.02)
+        gone = wait_until(lambda: process_ended(pid), timeout=10, step=0.02)
         took = time.monotonic() - t0
         assert gone, f"offtop still running 10 s after {how}"
         assert took < 2.0, f"offtop took {took:.2f}s to exit on {how}"
