@@ -196,7 +196,6 @@ class BpfSource:
             # The program records nothing until its maps are set and every
             # CPU's ring is in place (else its first events would fail).
             self.probe.arm()
-            self.probe.detach_in_background()
         except Exception:
             self.close()
             raise

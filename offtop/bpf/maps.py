@@ -390,27 +390,26 @@ class BpfMap:
         cmd = syscalls.BPF_MAP_LOOKUP_AND_DELETE_BATCH if delete else syscalls.BPF_MAP_LOOKUP_BATCH
         ks, vs = self.key_size, self.value_bytes
         count = max(1, min(self.spec.max_entries, chunk_bytes // (ks + vs)))
-        # A hash map's batch token is a bucket number (u32), an array's a key.
-        token_size = max(ks, 8)
-        tok_in = ct.create_string_buffer(token_size)
-        tok_out = ct.create_string_buffer(token_size)
         with self._batch_lock:
             bufs, self._batch_bufs = self._batch_bufs, None  # this call's, until it returns
         if bufs is None or bufs[0] < count:
             bufs = (count, ct.create_string_buffer(count * ks), ct.create_string_buffer(count * vs))
         try:
-            return self._read_batches(cmd, bufs, tok_in, tok_out)
+            return self._read_batches(cmd, bufs)
         finally:
             with self._batch_lock:
                 self._batch_bufs = bufs
 
     def _read_batches(self, cmd: int,
-                      bufs: tuple[int, ct.Array[ct.c_char], ct.Array[ct.c_char]],
-                      tok_in: ct.Array[ct.c_char], tok_out: ct.Array[ct.c_char]
+                      bufs: tuple[int, ct.Array[ct.c_char], ct.Array[ct.c_char]]
                       ) -> tuple[bytes, bytes, int] | None:
+        """`items_raw`'s batch commands, into `bufs` (capacity, keys, values)."""
         ks, vs = self.key_size, self.value_bytes
         count, keys, values = bufs
-        token_size = len(tok_in)
+        # A hash map's batch token is a bucket number (u32), an array's a key.
+        token_size = max(ks, 8)
+        tok_in = ct.create_string_buffer(token_size)
+        tok_out = ct.create_string_buffer(token_size)
         kparts: list[bytes] = []
         vparts: list[bytes] = []
         total = 0

@@ -150,16 +150,15 @@ class Probe:
             raise EngineError(f"could not attach the perf ring of CPU {cpu}") from None
 
     def arm(self) -> None:
-        """Start recording (offcpu.c CFG_ARMED): every map and ring is in place."""
-        self._config_slot(CFG_ARMED, 1)
+        """Start recording (offcpu.c CFG_ARMED): every map and ring is in place.
 
-    def detach_in_background(self) -> None:
-        """Have a thread detach the tracepoints once `detach_soon` is called.
-
-        Detaching waits for RCU grace periods (about 0.2 s here, more on a
-        busy machine). Begun when a stop comes, it overlaps the last
-        interval's build instead of adding to the exit.
+        A thread is started that detaches the tracepoints once `detach_soon`
+        is called: detaching waits for RCU grace periods (about 0.2 s here,
+        more on a busy machine), and begun when a stop comes it overlaps the
+        last interval's build instead of adding to the exit. (A signal handler
+        cannot start that thread; it can set an event.)
         """
+        self._config_slot(CFG_ARMED, 1)
         obj = self._obj
         if obj is None or self._detacher is not None:
             return
@@ -174,8 +173,8 @@ class Probe:
 
     def detach_soon(self) -> None:
         """Stop recording now: the tracepoints are detached in the background (see
-        `detach_in_background`); maps stay readable until `close`. Callable from
-        a signal handler or any thread."""
+        `arm`); maps stay readable until `close`. Callable from a signal handler
+        or any thread."""
         self._detach_asked.set()
 
     def close(self) -> None:
