@@ -134,7 +134,10 @@ def test_artifact_for_another_key_is_refused() -> None:
     (lambda d: d["maps"][0].update(type=31337), "unknown"),
     (lambda d: d["maps"][0].update(flags=1 << 20), "unknown"),
     (lambda d: d["maps"][0].update(key_size=0), "key_size"),
-    (lambda d: d["programs"][0].update(type=1), "not a tracepoint"),
+    (lambda d: d["programs"][0].update(type=1), "is not of type 5"),
+    # A program's type follows from its name: an iterator is only ever `bpf_iter__*`.
+    (lambda d: d["programs"][0].update(type=26), "is not of type 5"),
+    (lambda d: d["programs"][0].update(name="bpf_iter__task"), "is not of type 26"),
     (lambda d: d["programs"][0].update(map_refs=[]), "map references"),
     (lambda d: d["programs"][0].update(map_refs=[[0, 5]]), "bad entry"),
     (lambda d: d["programs"][0].update(insns="!!"), "base64"),
@@ -632,6 +635,68 @@ def test_attached_in_order_and_detached_on_close(bpf_available: None,
     # The kernel frees a program once its last reference goes (after a grace period).
     assert wait_until(lambda: not any(_prog_exists(i) for i in ids)), ids
     p.close()  # twice is fine
+
+
+def _btf(types: list[tuple[str, int, int, bytes]]) -> bytes:
+    """A BTF blob: (name, kind, vlen, the bytes after the record) per type."""
+    strings, body = b"\0", b""
+    for name, kind, vlen, extra in types:
+        off = len(strings)
+        strings += name.encode() + b"\0"
+        body += struct.pack("<III", off, (kind << 24) | vlen, 0) + extra
+    hdr = struct.pack("<HBBI4I", 0xEB9F, 1, 0, 24, 0, len(body), len(body), len(strings))
+    return hdr + body + strings
+
+
+def test_btf_function_ids_by_stepping_over_every_kind() -> None:
+    from offtop.bpf.btf import func_id_in
+
+    data = _btf([("int", 1, 0, b"\0" * 4), ("s", 4, 2, b"\0" * 24), ("e", 6, 3, b"\0" * 24),
+                 ("proto", 13, 1, b"\0" * 8), ("bpf_iter_task", 13, 0, b""),  # not a FUNC
+                 ("bpf_iter_task", 12, 0, b""), ("x", 12, 0, b"")])
+    assert func_id_in(data, "bpf_iter_task") == 6
+    assert func_id_in(data, "x") == 7
+    assert func_id_in(data, "bpf_iter") is None and func_id_in(data, "nothing") is None
+
+
+@pytest.mark.parametrize("damage", ["magic", "short", "sections", "kind"])
+def test_btf_that_is_not_is_refused_not_misread(damage: str) -> None:
+    from offtop.bpf.btf import BtfError, func_id_in
+
+    data = bytearray(_btf([("q", 31, 0, b""), ("f", 12, 0, b"")]))
+    if damage == "magic":
+        data[0:2] = b"\x9f\xeb"
+    elif damage == "short":
+        del data[20:]
+    elif damage == "sections":
+        struct.pack_into("<I", data, 12, 1 << 30)
+    with pytest.raises(BtfError):
+        func_id_in(bytes(data), "f")  # "kind": kind 31 is unknown: nothing past it can be sized
+
+
+@pytest.mark.bpf
+def test_saved_user_registers_of_a_blocked_thread(bpf_available: None,
+                                                   warm: ArtifactCache) -> None:
+    from offtop.unwind.regs import read_syscall_regs
+
+    p = _probe(warm, CountingCompiler())
+    sleeper = subprocess.Popen(["/usr/bin/sleep", "30"])
+    try:
+        assert wait_until(lambda: read_syscall_regs(sleeper.pid, sleeper.pid) is not None)
+        assert p._obj is not None and "bpf_iter__task" not in p._obj.progs  # not until asked
+        got = p.user_regs(sleeper.pid)
+        want = read_syscall_regs(sleeper.pid, sleeper.pid)
+        assert got is not None and want is not None, p.task_regs_unavailable()
+        assert (got.pc, got.sp) == (want.pc, want.sp)
+        # (rbp, which /proc never shows, is checked by unwinding with it:
+        # test_truth_e2e's frame-pointer program blocked before the start.)
+        assert "bpf_iter__task" in p._obj.progs
+        assert p.user_regs(2) is None  # kthreadd: no user registers
+        assert p.user_regs(0x3FFFFFF0) is None  # no such thread
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        p.close()
 
 
 @pytest.mark.bpf

@@ -135,6 +135,24 @@ def test_no_frame_pointers_three_calls_deep_in_blocked_now_and_in_the_sums(
     assert total > 0 and named >= 0.95 * total, [(st["user"], st["offcpu_ns"]) for st in late]
 
 
+def test_frame_pointer_code_blocked_before_offtop_is_unwound_whole(tmp_path: Path) -> None:
+    # With frame pointers each function's frame is rbp-based, and libc's read
+    # wrapper does not save rbp: /proc has no rbp for a thread that blocked
+    # before offtop started, so without the kernel's saved registers the
+    # walk stops after `read` (marked cut). It must reach main.
+    binary = build(tmp_path, "nofp_deep.c", "-O2", "-fno-omit-frame-pointer")
+    want = ["read", "offtop_nofp_f3", "offtop_nofp_f2", "offtop_nofp_f1", "main"]
+    with running(str(binary), "0") as (proc, tid):  # blocked for good, before offtop starts
+        time.sleep(0.3)
+        snaps = offtop_json("-p", str(proc.pid), count=2)
+    rows = [b for s in snaps for b in s["blocked_now"] if b["tid"] == tid]
+    assert rows and all(b["before_start"] for b in rows), rows
+    for b in rows:
+        assert b["user"][:len(want)] == want, b["user"]
+        assert MARK_TRUNCATED not in b["user"], b["user"]
+        assert "__libc_start_main" in b["user"] or len(b["user"]) == len(want) + 2, b["user"]
+
+
 def test_twenty_thousand_distinct_stacks_keep_their_user_stacks(tmp_path: Path) -> None:
     binary = build(tmp_path, "many_stacks.c", "-O1", "-fno-omit-frame-pointer",
                    "-fno-optimize-sibling-calls")

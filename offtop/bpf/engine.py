@@ -207,7 +207,8 @@ class BpfSource:
         if cfg.user_stacks:
             unwinder = Unwinder()
             assert self._usyms is not None
-            self.frames.unwound = UnwoundStacks(unwinder, self._usyms, clock=self._clock)
+            self.frames.unwound = UnwoundStacks(unwinder, self._usyms, clock=self._clock,
+                                               saved=self.probe.user_regs)
             if cfg.python_stacks:
                 self.frames.python = PythonFrames(PythonStacks(),
                                                   budget_s=cfg.python_budget_s)

@@ -914,3 +914,43 @@ TRACEPOINT_PROBE(cgroup, cgroup_transfer_tasks)
     cgroup_moved();
     return 0;
 }
+
+#if OFFTOP_USER_STACKS && defined(__x86_64__)
+// The user registers of one thread that is not running: a task iterator
+// (Python attaches it to one tid at a time and reads what it writes). A
+// thread blocked since before offtop started was never seen switching out,
+// so the probe has no record of its rbp, and /proc gives only its sp and
+// pc; frame-pointer code computes its frame from rbp, and without it the
+// unwind of such a thread stops after the first frame. The registers are
+// where any task's are, at the top of its kernel stack, saved at kernel
+// entry (bp at 32, ip at 128, cs at 136, sp at 152, as above).
+// Not loaded with the rest: only when such a block is met (offtop.bpf.task_regs).
+struct seq_file;
+struct bpf_iter_meta {
+    struct seq_file *seq;
+    u64 session_id;
+    u64 seq_num;
+};
+struct bpf_iter__task {
+    struct bpf_iter_meta *meta;
+    struct task_struct *task;
+};
+
+BPF_ITER(task)
+{
+    struct task_struct *task = ctx->task;
+    if (!task)
+        return 0;
+    char *regs = (char *)bpf_task_pt_regs(task);
+    u64 v[4] = {};              // ip, cs, flags, sp
+    u64 out[3] = {};            // ip, sp, bp
+    bpf_probe_read_kernel(v, sizeof(v), regs + 128);
+    if ((v[1] & 3) != 3)
+        return 0;               // not user mode (a kernel thread)
+    out[0] = v[0];
+    out[1] = v[3];
+    bpf_probe_read_kernel(&out[2], sizeof(out[2]), regs + 32);
+    bpf_seq_write(ctx->meta->seq, out, sizeof(out));
+    return 0;
+}
+#endif

@@ -39,6 +39,7 @@ from offtop.bpf.loader.cache import DEFAULT_DIR, ArtifactCache
 from offtop.bpf.loader.kernel import LoadedObject, LoadFailed
 from offtop.bpf.loader.load import Compile, LoadReport, load_object
 from offtop.bpf.maps import BPF_NOEXIST, BpfMap, ElementReader
+from offtop.bpf.task_regs import ITERATOR, TaskRegisters, UserRegs
 
 PROBE_FUNCTION = "tracepoint__sched__sched_switch"
 #: Attached by hand, after the sched_waking probe bcc's naming rule attaches (offcpu.c).
@@ -92,6 +93,7 @@ class Probe:
         self._stack_readers: dict[str, ElementReader] = {}
         self._detach_asked = threading.Event()
         self._detacher: threading.Thread | None = None
+        self._task_regs: TaskRegisters | None = None
         #: How the program was obtained (cache hit or compile) and what it cost.
         self.report = LoadReport()
 
@@ -191,6 +193,20 @@ class Probe:
             self._obj.close()  # tracepoints detached in parallel (see LoadedObject.detach_all)
             self._obj = None
         self.prog_fd = -1
+
+    def user_regs(self, tid: int) -> UserRegs | None:
+        """The user registers the kernel saved for thread `tid` (offtop.bpf.task_regs);
+        None if the thread is gone or running kernel code only, or this kernel cannot."""
+        obj = self._obj
+        if obj is None or not (self.config.user_stacks and ITERATOR in obj.artifact_programs):
+            return None
+        if self._task_regs is None:
+            self._task_regs = TaskRegisters(obj)
+        return self._task_regs.of(tid)
+
+    def task_regs_unavailable(self) -> str:
+        """Why saved registers cannot be read ('' if they can, or were never asked for)."""
+        return self._task_regs.unavailable if self._task_regs is not None else ""
 
     def _map(self, name: str) -> BpfMap:
         if self._obj is None:

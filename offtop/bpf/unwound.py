@@ -16,6 +16,7 @@ from typing import Protocol
 
 from offtop.model import MARK_DEPTH_LIMIT, MARK_TRUNCATED, Frame
 from offtop.unwind import StopReason, Unwinder, UnwindResult
+from offtop.unwind.unwinder import SavedRegs
 
 
 class Symbolizer(Protocol):
@@ -32,8 +33,10 @@ class UnwoundStacks:
     """Blocks unwound while they last (see the module docstring)."""
 
     def __init__(self, unwinder: Unwinder, symbols: Symbolizer, *,
-                 clock: Callable[[], float], max_kept: int = 4096) -> None:
+                 clock: Callable[[], float], max_kept: int = 4096,
+                 saved: Callable[[int], SavedRegs | None] | None = None) -> None:
         self._unwinder = unwinder
+        self._saved = saved
         self._symbols = symbols
         self._clock = clock
         self._max = max_kept
@@ -46,7 +49,9 @@ class UnwoundStacks:
             return True
         if self._clock() > until:
             return False
-        r = self._unwinder.unwind_blocked(pid, tid, bp=ubp or None)
+        # The probe took rbp when it saw the block begin; a block from before
+        # the start has none: then the kernel's saved registers give it.
+        r = self._unwinder.unwind_blocked(pid, tid, bp=ubp or None, saved=self._saved)
         if not r.addresses or r.stop_reason in (StopReason.NOT_BLOCKED, StopReason.THREAD_RAN):
             return False
         self._blocks[key] = (pid, r)

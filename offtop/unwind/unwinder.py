@@ -90,6 +90,19 @@ def stack_reader(pid: int, limits: UnwindLimits) -> WordReader:
     return StackReader(pid, max_pages=limits.max_stack_pages)
 
 
+class SavedRegs(Protocol):
+    """A thread's user registers as the kernel saved them (offtop.bpf.task_regs.UserRegs)."""
+
+    @property
+    def pc(self) -> int: ...
+
+    @property
+    def sp(self) -> int: ...
+
+    @property
+    def bp(self) -> int: ...
+
+
 class TableSource(Protocol):
     """Where a walk gets a file's table from (TableCache, or a fake in tests)."""
 
@@ -144,6 +157,7 @@ class Unwinder:
         self.read_failures: dict[str, int] = {}  #: failed stack page reads by errno name
         self.unwinds = 0
         self.frames = 0
+        self.saved_rbp = 0  #: blocked walks that took rbp from the kernel's saved registers
 
     def unwind(self, pid: int, tid: int, pc: int, sp: int, bp: int | None = None, *,
                regs: Mapping[int, int] | None = None,
@@ -168,17 +182,26 @@ class Unwinder:
             self.read_failures[cause] = self.read_failures.get(cause, 0) + n
         return UnwindResult(tuple(addrs), reason)
 
-    def unwind_blocked(self, pid: int, tid: int, bp: int | None = None) -> UnwindResult:
+    def unwind_blocked(self, pid: int, tid: int, bp: int | None = None, *,
+                       saved: Callable[[int], SavedRegs | None] | None = None) -> UnwindResult:
         """Walk a thread blocked in the kernel, from its /proc registers.
 
-        The thread's scheduler statistics and registers are read before and
-        after the walk: if they differ, it ran meanwhile, its stack may have
-        changed under the walk, and nothing is returned.
+        /proc has no rbp: `bp` is the one the caller knows, else `saved(tid)`
+        may give the registers the kernel saved (offtop.bpf.task_regs), used
+        only if its pc and sp are the ones /proc shows. The thread's
+        scheduler statistics and registers are read before and after the
+        walk: if they differ, it ran meanwhile, its stack may have changed
+        under the walk, and nothing is returned.
         """
         before = _sched_marker(pid, tid)
         r = read_syscall_regs(pid, tid)
         if r is None:
             return self._count(UnwindResult((), StopReason.NOT_BLOCKED))
+        if bp is None and saved is not None:
+            got = saved(tid)
+            if got is not None and got.pc == r.pc and got.sp == r.sp:
+                bp = got.bp
+                self.saved_rbp += 1
         result = self.unwind(pid, tid, r.pc, r.sp, bp, regs=r.leaf_registers())
         if _sched_marker(pid, tid) != before or read_syscall_regs(pid, tid) != r:
             self.stops[result.stop_reason] -= 1
@@ -205,7 +228,7 @@ class Unwinder:
         """Every count, flat, for the engine's statistics: walks, frames, stops by
         reason ("stop:…"), failed stack reads by errno ("read:…"), files without a
         table by cause ("table:…"), tables loaded and the milliseconds spent."""
-        out = {"unwinds": self.unwinds, "frames": self.frames}
+        out = {"unwinds": self.unwinds, "frames": self.frames, "saved_rbp": self.saved_rbp}
         out.update({f"stop:{k}": v for k, v in self.stops.items() if v})
         out.update({f"read:{k}": v for k, v in self.read_failures.items()})
         if isinstance(self.tables, TableCache):

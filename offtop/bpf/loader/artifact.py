@@ -44,8 +44,17 @@ MAGIC = b"offtop-bpf-artifact"
 #: Larger than any artifact of offcpu.c by far (about 100 KB).
 MAX_BYTES = 16 << 20
 
-#: enum bpf_prog_type: the only kind offcpu.c has.
+#: enum bpf_prog_type: the kinds offcpu.c has. A program's type follows from
+#: its function name (bcc's rule): `bpf_iter__<target>` is an iterator
+#: (BPF_PROG_TYPE_TRACING, attached as BPF_TRACE_ITER), any other a tracepoint's.
 PROG_TYPE_TRACEPOINT = 5
+PROG_TYPE_TRACING = 26
+ITER_PREFIX = "bpf_iter__"
+
+
+def program_type(function: str) -> int:
+    """The program type of function `function` of offcpu.c (see above)."""
+    return PROG_TYPE_TRACING if function.startswith(ITER_PREFIX) else PROG_TYPE_TRACEPOINT
 
 # eBPF instruction encoding (linux/bpf.h, linux/bpf_common.h).
 INSN_SIZE = 8
@@ -330,8 +339,9 @@ def from_body(doc: Any, key: str) -> Artifact:
     for p in _list(doc, "programs", 64):
         p = _dict(p, "a program")
         name = _str(p, "name", _NAME)
-        if _int(p, "type", 0, 1 << 16) != PROG_TYPE_TRACEPOINT:
-            raise ArtifactInvalid(f"program {name} is not a tracepoint program")
+        ptype = _int(p, "type", 0, 1 << 16)
+        if ptype != program_type(name):
+            raise ArtifactInvalid(f"program {name} is not of type {program_type(name)}")
         try:
             insns = base64.b64decode(_str(p, "insns", limit=MAX_BYTES), validate=True)
         except (binascii.Error, ValueError):
@@ -345,7 +355,7 @@ def from_body(doc: Any, key: str) -> Artifact:
             raise ArtifactInvalid(f"program {name}: {problems[0]}")
         if sorted(found) != sorted(at for at, _ in refs) or len(set(found)) != len(refs):
             raise ArtifactInvalid(f"program {name}: map references do not match the code")
-        programs.append(Program(name, PROG_TYPE_TRACEPOINT, insns, refs))
+        programs.append(Program(name, ptype, insns, refs))
     if not programs or len({p.name for p in programs}) != len(programs):
         raise ArtifactInvalid("no programs, or two with one name")
 

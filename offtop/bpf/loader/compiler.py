@@ -25,12 +25,12 @@ from offtop.bpf.config import EngineError
 from offtop.bpf.loader.artifact import (
     FORMAT,
     INSN_SIZE,
-    PROG_TYPE_TRACEPOINT,
     Artifact,
     ArtifactInvalid,
     constant_sites,
     from_body,
     insn_fields,
+    program_type,
     scan,
 )
 
@@ -131,7 +131,7 @@ def artifact_from_module(doc: Mapping[str, Any], key: str,
             insns[at * INSN_SIZE + 4: at * INSN_SIZE + 8] = b"\0\0\0\0"
         for name, value in placeholders.items():
             sites[name] += [[pi, at] for at in constant_sites(bytes(insns), value)]
-        programs.append({"name": f.get("name"), "type": PROG_TYPE_TRACEPOINT,
+        programs.append({"name": f.get("name"), "type": program_type(str(f.get("name"))),
                          "insns": base64.b64encode(bytes(insns)).decode(), "map_refs": map_refs})
     for name, found in sites.items():
         if not found:

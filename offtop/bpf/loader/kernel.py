@@ -24,11 +24,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from offtop.bpf import syscalls
-from offtop.bpf.loader.artifact import Artifact, patched
+from offtop.bpf.loader.artifact import PROG_TYPE_TRACEPOINT, PROG_TYPE_TRACING, Artifact, patched
 from offtop.bpf.maps import BPF_OBJ_NAME_LEN, PERF_EVENT_ARRAY, BpfMap, MapSpec, create_map, possible_cpus
 from offtop.bpf.perf_ring import PERF_EVENT_IOC_DISABLE, PERF_EVENT_IOC_ENABLE, PerfEventAttr
 
 PERF_TYPE_TRACEPOINT = 2
+#: enum bpf_attach_type: an iterator's.
+BPF_TRACE_ITER = 28
 PERF_FLAG_FD_CLOEXEC = 1 << 3
 #: _IOW('$', 8, __u32) (linux/perf_event.h).
 PERF_EVENT_IOC_SET_BPF = 0x40042408
@@ -54,7 +56,7 @@ class LoadFailed(Exception):
 
 
 class _ProgLoadAttr(ct.Structure):
-    """`union bpf_attr` as BPF_PROG_LOAD reads it, up to expected_attach_type."""
+    """`union bpf_attr` as BPF_PROG_LOAD reads it, up to attach_btf_id."""
 
     _fields_ = [
         ("prog_type", ct.c_uint32),
@@ -69,6 +71,14 @@ class _ProgLoadAttr(ct.Structure):
         ("prog_name", ct.c_char * BPF_OBJ_NAME_LEN),
         ("prog_ifindex", ct.c_uint32),
         ("expected_attach_type", ct.c_uint32),
+        ("prog_btf_fd", ct.c_uint32),
+        ("func_info_rec_size", ct.c_uint32),
+        ("func_info", ct.c_uint64),
+        ("func_info_cnt", ct.c_uint32),
+        ("line_info_rec_size", ct.c_uint32),
+        ("line_info", ct.c_uint64),
+        ("line_info_cnt", ct.c_uint32),
+        ("attach_btf_id", ct.c_uint32),
     ]
 
 
@@ -87,13 +97,19 @@ def _raise_memlock() -> None:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
-def load_program(prog_type: int, name: str, insns: bytes, license: str, kern_version: int) -> int:
-    """BPF_PROG_LOAD: the program's fd; LoadFailed with the verifier's log if refused."""
+def load_program(prog_type: int, name: str, insns: bytes, license: str, kern_version: int, *,
+                 attach_type: int = 0, attach_btf_id: int = 0) -> int:
+    """BPF_PROG_LOAD: the program's fd; LoadFailed with the verifier's log if refused.
+
+    `attach_type` and `attach_btf_id`: what a program that attaches by BTF
+    (an iterator) is for; 0 for a tracepoint's.
+    """
     code = ct.create_string_buffer(insns, len(insns))
     lic = ct.create_string_buffer(license.encode())
     attr = _ProgLoadAttr(prog_type=prog_type, insn_cnt=len(insns) // 8, insns=ct.addressof(code),
                          license=ct.addressof(lic), kern_version=kern_version,
-                         prog_name=prog_name(name))
+                         prog_name=prog_name(name), expected_attach_type=attach_type,
+                         attach_btf_id=attach_btf_id)
     fd = syscalls.bpf(syscalls.BPF_PROG_LOAD, attr)
     if fd == -errno.EPERM:
         _raise_memlock()
@@ -160,13 +176,22 @@ class LoadedObject:
         self.tracefs = tracefs
         self.maps: dict[str, BpfMap] = {}
         self.progs: dict[str, int] = {}
+        #: The maps' fds in the artifact's order (for programs loaded later).
+        self.map_fds: list[int] = []
+        self.constants: Mapping[str, int] = {}
         #: (tracepoint, perf event fd), in the order attached.
         self.attached: list[tuple[str, int]] = []
 
     @classmethod
     def load(cls, artifact: Artifact, constants: Mapping[str, int], tracefs: Path) -> LoadedObject:
-        """Create every map and load every program (nothing attached yet); LoadFailed if refused."""
+        """Create every map and load every tracepoint program (nothing attached yet).
+
+        LoadFailed if refused. Iterators are loaded when first wanted
+        (`load_iterator`): they need the kernel's BTF looked up, and most
+        runs never use one.
+        """
         obj = cls(artifact, tracefs)
+        obj.constants = constants
         try:
             fds = []
             for spec in artifact.maps:
@@ -182,7 +207,10 @@ class LoadedObject:
                                      ) from None
                 obj.maps[spec.name] = BpfMap(fd, spec)
                 fds.append(fd)
+            obj.map_fds = fds
             for i, prog in enumerate(artifact.programs):
+                if prog.type != PROG_TYPE_TRACEPOINT:
+                    continue
                 insns = patched(artifact, i, fds, constants)
                 obj.progs[prog.name] = load_program(prog.type, prog.name, insns,
                                                     artifact.license, artifact.kern_version)
@@ -190,6 +218,26 @@ class LoadedObject:
             obj.close()
             raise
         return obj
+
+    @property
+    def artifact_programs(self) -> frozenset[str]:
+        """The name of every program in the artifact, loaded or not."""
+        return frozenset(p.name for p in self.artifact.programs)
+
+    def load_iterator(self, function: str, attach_btf_id: int) -> int:
+        """Load iterator `function` (`bpf_iter__<target>`), for the kernel function with
+        BTF id `attach_btf_id`; its fd, kept and closed with the rest. LoadFailed if refused."""
+        if function in self.progs:
+            return self.progs[function]
+        for i, prog in enumerate(self.artifact.programs):
+            if prog.name == function and prog.type == PROG_TYPE_TRACING:
+                insns = patched(self.artifact, i, self.map_fds, self.constants)
+                fd = load_program(prog.type, prog.name, insns, self.artifact.license,
+                                  self.artifact.kern_version, attach_type=BPF_TRACE_ITER,
+                                  attach_btf_id=attach_btf_id)
+                self.progs[function] = fd
+                return fd
+        raise LoadFailed(f"no iterator {function} in the program", artifact_fault=False)
 
     def attach(self, function: str, tracepoint: str) -> None:
         """Run program `function` on `tracepoint` ("category:event"), after those attached before."""
