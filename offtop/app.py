@@ -40,6 +40,7 @@ from textual.screen import Screen
 from textual.widgets import Input, Static
 
 from offtop.app_keys import APP_BINDINGS, PALETTE, REPLAY_BINDINGS, THRESHOLD_PRESETS_NS
+from offtop.gc_pacing import GcPacing
 from offtop.model import RowKey, Snapshot, SnapshotIndex
 from offtop.pump import (
     ExitSignals,
@@ -84,16 +85,11 @@ class OfftopApp(App[int]):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-normal"), (180, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (24, "-tall")]
     BINDINGS: ClassVar[list[BindingType]] = [*APP_BINDINGS, *REPLAY_BINDINGS]
-    #: With `freeze_gc`, the cyclic GC's full passes are the app's: one every
-    #: this many snapshots shown, once it is drawn. Python's own came every
-    #: few ticks (each interval's 20,000 stack rows outlive two collections,
-    #: and the frozen heap does not count towards when the next is due), at
-    #: any moment, keys included: 65 ms each at 20,000 stacks, up to 300 ms.
-    FULL_GC_EVERY: ClassVar[int] = 30
-    #: ... and at least one every this many seconds (paused, or no data coming).
-    FULL_GC_MAX_S: ClassVar[float] = 60.0
-    #: The third GC threshold that stops Python's own full passes.
-    NO_FULL_GC: ClassVar[int] = 1 << 30
+    # With `freeze_gc`, the cyclic GC's full passes are the app's
+    # (offtop.gc_pacing), each once a snapshot is drawn: Python's own came
+    # every few ticks (each interval's 20,000 stack rows outlive two
+    # collections), at any moment, keys included: 65 ms each at 20,000
+    # stacks, up to 300 ms.
 
     info: var[SourceInfo | None] = var(None, init=False)
     """What the source says it captures (bound to the header)."""
@@ -144,8 +140,7 @@ class OfftopApp(App[int]):
         #: its full passes, and make those passes the app's, see `FULL_GC_EVERY`.
         self.freeze_gc = freeze_gc
         self._shown = 0
-        self._gc_thresholds: tuple[int, int, int] | None = None
-        self._gc_at = 0.0
+        self.gc_pacing = GcPacing()  #: its full GC passes, with `freeze_gc`
         #: Where `w` writes (the working directory by default).
         self.export_dir = export_dir or Path.cwd()
         #: The exception that stopped the source, for `run_app` and the CLI.
@@ -210,8 +205,7 @@ class OfftopApp(App[int]):
     def on_unmount(self) -> None:
         self.pump.stop()
         self.signals.remove()
-        if self._gc_thresholds is not None:
-            gc.set_threshold(*self._gc_thresholds)
+        self.gc_pacing.restore()
 
     def exit(self, result: int | None = None, return_code: int = 0,
              message: RenderableType | None = None) -> None:
@@ -283,8 +277,8 @@ class OfftopApp(App[int]):
         self._arrived = self.clock()
         taken = self.pump.arrivals.take()
         self._shown += 1
-        if self.freeze_gc and self._shown % self.FULL_GC_EVERY == 1:
-            self.call_after_refresh(self._full_gc)
+        if self.freeze_gc and self.gc_pacing.snapshot_done():
+            self.call_after_refresh(self.gc_pacing.full_pass)
         with self.batch_update():
             if self.loading:
                 self.loading = False
@@ -295,23 +289,11 @@ class OfftopApp(App[int]):
                 self.notices = taken.notices[-3:]
         self.call_after_refresh(self.pump.fold_since_start)
 
-    def _full_gc(self) -> None:
-        """A full pass of the cyclic GC, now that a snapshot is drawn; the
-        first also freezes what is alive and stops Python's own full passes."""
-        if self._gc_thresholds is None:
-            self._gc_thresholds = gen0, gen1, _ = gc.get_threshold()
-            _freeze_gc()
-            gc.set_threshold(gen0, gen1, self.NO_FULL_GC)
-        else:
-            gc.collect()
-        self._gc_at = time.monotonic()
-
     def _each_second(self) -> None:
         self._check_stall()
         # Paused, or no data coming: the GC's full passes still come.
-        if (self._gc_thresholds is not None
-                and time.monotonic() - self._gc_at >= self.FULL_GC_MAX_S):
-            self._full_gc()
+        if self.gc_pacing.overdue():
+            self.gc_pacing.full_pass()
 
     def _check_stall(self) -> None:
         """A running source more than three intervals late is said to be."""

@@ -24,6 +24,7 @@ from typing import Protocol
 from offtop.cli_args import EXIT_NOTHING_LEFT, EXIT_OK, PROFILE_FORMATS
 from offtop.cli_io import ReportWriter, exit_at_once_on_signal, signal_handlers
 from offtop.export import ProfileAccumulator, pprof_bytes, speedscope_json
+from offtop.gc_pacing import GcPacing
 from offtop.model import Snapshot
 from offtop.outputs import Outputs
 from offtop.report import folded_lines, snapshot_json_line, text_report
@@ -172,17 +173,23 @@ def batch_loop(source: SnapshotSource, fmt: BatchFormat, interval_s: float, coun
 
     n = 0
     finished = ""
-    while not stop.is_set():
-        snap = source.next_snapshot(interval_s, stop)
-        if snap is None:
-            break
-        deliver(snap)
-        n += 1
-        if snap.finished:
-            finished = snap.finished
-            break
-        if count is not None and n >= count:
-            break
+    pacing = GcPacing()  # Python's full GC passes, between intervals (offtop.gc_pacing)
+    try:
+        while not stop.is_set():
+            snap = source.next_snapshot(interval_s, stop)
+            if snap is None:
+                break
+            deliver(snap)
+            n += 1
+            if snap.finished:
+                finished = snap.finished
+                break
+            if count is not None and n >= count:
+                break
+            if pacing.snapshot_done() or pacing.overdue():
+                pacing.full_pass()
+    finally:
+        pacing.restore()
     if stop.is_set() and source.info.kind != "replay" and (outputs or not out.stalled):
         # Stopped by a signal: what the unfinished interval holds. (A replay
         # has no unfinished interval: its next one is a whole other one; an

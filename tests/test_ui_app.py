@@ -27,6 +27,7 @@ from textual.widget import Widget
 import offtop.widgets.stacks_pane as stacks_pane_module
 from offtop.app import OfftopApp
 from offtop.app_keys import APP_BINDINGS
+from offtop.gc_pacing import GcPacing
 from offtop.model import (
     BlockedNow,
     Frame,
@@ -687,12 +688,12 @@ async def test_an_app_owning_the_gc_makes_its_full_passes_after_drawing() -> Non
             full.append(app.received)
 
     app = OfftopApp(fake_source(), clock=FakeClock(), freeze_gc=True)
-    app.FULL_GC_EVERY = 2  # a full pass every other snapshot shown
+    app.gc_pacing.every = 2  # a full pass every other snapshot shown
     gc.callbacks.append(count)
     try:
         async with app.run_test(size=SIZE) as pilot:
             await shown(pilot, app)
-            await until(pilot, lambda: gc.get_threshold()[2] == OfftopApp.NO_FULL_GC,
+            await until(pilot, lambda: gc.get_threshold()[2] == GcPacing.NO_FULL_GC,
                         "Python's own full passes stopped")
             # The first pass froze what was alive. (Python's own passes until the
             # first draw are not the app's to stop: counted from here.)
@@ -706,9 +707,9 @@ async def test_an_app_owning_the_gc_makes_its_full_passes_after_drawing() -> Non
             await pilot.pause()
             # Then every other snapshot shown, and none of Python's own meanwhile.
             assert full == [3]
-            # Paused (no snapshot shown), one comes at least every FULL_GC_MAX_S.
+            # Paused (no snapshot shown), one comes at least every max_s.
             app.paused = True
-            app.FULL_GC_MAX_S = 0.0
+            app.gc_pacing.max_s = 0.0
             await until(pilot, lambda: len(full) >= 3, "a full pass while paused")
         assert gc.get_threshold() == before
     finally:

@@ -1,0 +1,72 @@
+"""Python's full garbage-collection passes, taken over by offtop's main loops.
+
+offtop's data is acyclic (tuples, dicts, frames): reference counting frees
+it. The cyclic GC still walks it: each interval's rows (10,000 on a busy
+server) outlive a couple of young collections, reach the oldest
+generation, and make Python's own full passes come every few seconds, each
+walking every cached frame and stack: 50-60 ms each at a busy server's
+~100,000 objects, at any moment (measured: 2-3.5% of a core in batch, and
+a keypress's worth of stall in the TUI).
+
+So, once the first snapshot is out: everything alive then (imports,
+tables, caches) is frozen out of the GC's sight, Python's own full passes
+are turned off (young collections go on as before), and the loop runs a
+full pass itself every `every` snapshots, and at least every `max_s`
+seconds (`due`), at a moment of its choosing (after output, after a
+redraw). Cyclic garbage, if any, is then freed within that time.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+
+class GcPacing:
+    """Full GC passes at the loop's pace (see the module docstring)."""
+
+    #: The third GC threshold that stops Python's own full passes.
+    NO_FULL_GC = 1 << 30
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, every: int = 30,
+                 max_s: float = 60.0) -> None:
+        self._clock = clock
+        self.every = every  #: a full pass every this many snapshots...
+        self.max_s = max_s  #: ... and at least every this many seconds (paused, no data)
+        self._saved: tuple[int, int, int] | None = None
+        self._snapshots = 0
+        self._at = 0.0
+        self.passes = 0  #: full passes run (the first, which freezes, included)
+
+    @property
+    def active(self) -> bool:
+        """Whether the full passes are this object's (after the first `full_pass`)."""
+        return self._saved is not None
+
+    def snapshot_done(self) -> bool:
+        """Count a snapshot out; True if a full pass is due (the first, then every `every`)."""
+        self._snapshots += 1
+        return self._snapshots % self.every == 1
+
+    def overdue(self) -> bool:
+        """True if active and no full pass ran for `max_s` seconds."""
+        return self._saved is not None and self._clock() - self._at >= self.max_s
+
+    def full_pass(self) -> None:
+        """A full pass now; the first also freezes what is alive and stops Python's own."""
+        if self._saved is None:
+            self._saved = gen0, gen1, _ = gc.get_threshold()
+            gc.collect()
+            gc.freeze()
+            gc.set_threshold(gen0, gen1, self.NO_FULL_GC)
+        else:
+            gc.collect()
+        self.passes += 1
+        self._at = self._clock()
+
+    def restore(self) -> None:
+        """Give Python its own full passes back (what was frozen stays so)."""
+        if self._saved is not None:
+            gc.set_threshold(*self._saved)
+            self._saved = None

@@ -1,0 +1,105 @@
+"""Python's full GC passes, taken over by the loops (offtop.gc_pacing), and batch's use of them."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from offtop.batch import batch_loop, make_format
+from offtop.gc_pacing import GcPacing
+from offtop.model import Snapshot
+from offtop.outputs import Outputs
+from offtop.source import SourceInfo
+from offtop.synthetic import synthetic_snapshots
+
+
+@pytest.fixture(autouse=True)
+def gc_as_it_was() -> Iterator[None]:
+    before = gc.get_threshold()
+    yield
+    gc.set_threshold(*before)
+    gc.unfreeze()
+
+
+def test_full_passes_at_the_pace_given_and_python_s_own_stopped() -> None:
+    now = [0.0]
+    p = GcPacing(lambda: now[0], every=3, max_s=10.0)
+    before = gc.get_threshold()
+    assert [p.snapshot_done() for _ in range(7)] == [True, False, False, True, False, False, True]
+    assert not p.active and not p.overdue()
+    p.full_pass()  # the first: freezes what is alive, stops Python's own full passes
+    assert p.active and gc.get_freeze_count() > 0
+    assert gc.get_threshold() == (before[0], before[1], GcPacing.NO_FULL_GC)
+    now[0] = 9.9
+    assert not p.overdue()
+    now[0] = 10.0
+    assert p.overdue()
+    p.full_pass()
+    assert not p.overdue() and p.passes == 2
+    p.restore()
+    assert gc.get_threshold() == before and not p.active
+
+
+class _Held:
+    """A fake source (for this test): synthetic snapshots, and the GC thresholds
+    in force each time one was asked for."""
+
+    def __init__(self, snaps: list[Snapshot]) -> None:
+        self._snaps = list(snaps)
+        self.thresholds: list[tuple[int, int, int]] = []
+
+    @property
+    def info(self) -> SourceInfo:
+        return SourceInfo(kind="replay")
+
+    @property
+    def threshold_ns(self) -> int:
+        return 0
+
+    def start(self) -> None:
+        pass
+
+    def next_snapshot(self, interval_s: float, stop: threading.Event) -> Snapshot | None:
+        self.thresholds.append(gc.get_threshold())
+        return self._snaps.pop(0) if self._snaps else None
+
+    def set_threshold(self, ns: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Sink:
+    stalled = False
+
+    def write(self, text: str) -> None:
+        pass
+
+
+def test_batch_runs_the_full_passes_itself_and_gives_them_back() -> None:
+    before = gc.get_threshold()
+    full: list[int] = []
+    src = _Held(synthetic_snapshots(4, tasks=20, stacks=50, seed=3))
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            full.append(len(src.thresholds))
+
+    gc.callbacks.append(count)
+    try:
+        status = batch_loop(src, make_format("json"), 0.0, None, threading.Event(), _Sink(),
+                            outputs=Outputs(), say=lambda line: None)
+    finally:
+        gc.callbacks.remove(count)
+    assert status == os.EX_OK
+    # Python's own until the first snapshot is out; the loop's (one, which
+    # froze what was alive) after it, and none of Python's own meanwhile.
+    assert src.thresholds[0] == before
+    assert all(t[2] == GcPacing.NO_FULL_GC for t in src.thresholds[1:]), src.thresholds
+    assert [n for n in full if n >= 1] == [1], full
+    assert gc.get_threshold() == before
