@@ -31,7 +31,7 @@ from collections.abc import Hashable
 from typing import Generic, TypeVar
 
 from offtop.bpf.block_frames import BlockFrames
-from offtop.bpf.decode import ST_BEFORE_START
+from offtop.bpf.decode import ST_BEFORE_START, WAKER_KINDS
 from offtop.bpf.wakers import RawWaker, Wakers
 from offtop.model import Frame, Waker
 
@@ -54,17 +54,14 @@ class _Recent(Generic[K, V]):
     def __len__(self) -> int:
         return len(self._now) + len(self._before)
 
-    def find(self, key: K) -> bool:
-        """Whether `key` is kept (then `self[key]` is its value, kept on)."""
-        if key in self._now:
-            return True
-        if key in self._before:
-            self._now[key] = self._before.pop(key)
-            return True
-        return False
-
-    def __getitem__(self, key: K) -> V:
-        return self._now[key]
+    def get(self, key: K) -> V | None:
+        """The value kept for `key` (kept on), None if none."""
+        value = self._now.get(key)
+        if value is None:
+            value = self._before.pop(key, None)
+            if value is not None:
+                self._now[key] = value
+        return value
 
     def put(self, key: K, value: V) -> None:
         if len(self._now) >= self._max:
@@ -113,10 +110,11 @@ class RowFrames:
         py = frames.python
         python = py is not None and py.is_python(tgid)
         key = (tgid, start, tid, st, us, ks)
-        if not python and self._kept.find(key):
+        kept = None if python else self._kept.get(key)
+        if kept is not None:
             stacks.touch(ks, us)
             self.hits += 1
-            kernel, user, before = self._kept[key]
+            kernel, user, before = kept
         else:
             self.misses += 1
             kernel, user, before = frames.frames_of(tgid, tid, st, us, ks, deadline)
@@ -126,15 +124,18 @@ class RowFrames:
         return kernel, user, before, self._waker(waker), start
 
     def _waker(self, raw: RawWaker) -> Waker | None:
+        if not WAKER_KINDS.get(raw[4] >> 24):
+            return None  # the probe saw none (as Wakers.waker says, without its cost)
         frames = self._frames
         stacks = frames.stacks
         assert stacks is not None
         wtgid, wus, wks = raw[0], raw[2], raw[3]
         wstart = frames.start_of(wtgid) if wtgid > 0 and wus >= 0 else 0
         key = (*raw, wstart)
-        if self._wakers_kept.find(key):
+        kept = self._wakers_kept.get(key)
+        if kept is not None:
             stacks.touch(wks, wus)
-            return self._wakers_kept[key]
+            return kept
         w = self._wakers.waker(raw)
         if ((wstart or wus < 0) and not frames.gave_up()
                 and (wus < 0 or stacks.final(wtgid, wstart, wus))):
