@@ -196,6 +196,9 @@ class BpfSource:
             # The program records nothing until its maps are set and every
             # CPU's ring is in place (else its first events would fail).
             self.probe.arm()
+            # The first interval is counted from here: what follows (symbols,
+            # the blocks already under way) takes time the probe records.
+            armed = self._clock()
         except Exception:
             self.close()
             raise
@@ -225,9 +228,8 @@ class BpfSource:
         self.before.seed()
         self.frames.unwind_before_start(cfg.unwind_budget_s)
         release_compiler_memory()
-        now = self._clock()
-        self._last_tick = self._last_subtick = now
-        self._next_subtick = now + cfg.subtick_s
+        self._last_tick = self._last_subtick = armed
+        self._next_subtick = armed + cfg.subtick_s
 
     def _in_scope(self, pid: int, tid: int) -> bool:
         cfg = self.config
