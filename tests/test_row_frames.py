@@ -164,3 +164,28 @@ def test_rows_not_asked_for_in_a_whole_interval_are_dropped(rig: Any) -> None:
     assert rig.rows.hits == 1 and len(rig.rows) == 0  # a process gone: nothing left
     resolve(rig)
     assert rig.rows.misses == 2
+
+
+def test_a_kept_row_woken_by_another_is_given_that_waker(rig: Any) -> None:
+    # A task waker (1 << 24) with a user stack: kept whole with the row, and
+    # only for that waker and that waking process.
+    WAKER_PID = PID + 1
+    rig.starts[WAKER_PID] = 500
+    by_a = (WAKER_PID, WAKER_PID, 7, 1, 1 << 24, b"a")
+    by_b = (WAKER_PID, WAKER_PID + 1, 7, 1, 1 << 24, b"b")
+
+    def row(waker: Any) -> Any:
+        rig.frames.new_subtick()
+        return rig.rows.resolve(PID, PID, 1, 7, 1, waker, float("inf"))
+
+    first = row(by_a)
+    assert first[3].comm == "a" and [f.name for f in first[3].user] == ["f401000@500",
+                                                                         "f402000@500"]
+    assert row(by_a) is first  # the whole row, kept
+    other = row(by_b)
+    assert other[3].comm == "b" and other[:3] == first[:3]
+    assert row(by_a) == first  # kept whole again, for waker a
+    rig.starts[WAKER_PID] = 600  # the waker's pid now names a process started later
+    again = row(by_a)
+    assert [f.name for f in again[3].user] == ["f401000@600", "f402000@600"]
+    assert rig.rows.hits == 4 and rig.rows.misses == 1
