@@ -181,7 +181,7 @@ def test_a_kept_row_woken_by_another_is_given_that_waker(rig: Any) -> None:
     first = row(by_a)
     assert first[3].comm == "a" and [f.name for f in first[3].user] == ["f401000@500",
                                                                          "f402000@500"]
-    assert row(by_a) is first  # the whole row, kept
+    assert row(by_a) == first  # kept
     other = row(by_b)
     assert other[3].comm == "b" and other[:3] == first[:3]
     assert row(by_a) == first  # kept whole again, for waker a

@@ -18,11 +18,6 @@ start time), on the same terms: a thread's stack is woken by many wakers,
 and the waker's stacks are those of the latest block, so one key for both
 would miss at nearly every row.
 
-A row whose frames and waker are both kept is kept whole too, by (thread,
-state, stacks), with the raw waker and both processes' start times it was
-resolved for: most rows come back with the same waker, and are then
-answered by one lookup.
-
 The stack store renumbers nothing behind a kept entry: deleted ids (and a
 cleared cache) bump its `generation`, which empties this one. A hit stamps
 its ids as used, as a resolution would, so that they are not reclaimed.
@@ -89,12 +84,6 @@ class RowFrames:
         self._kept: _Recent[tuple[int, ...],
                             tuple[tuple[Frame, ...], tuple[Frame, ...], bool]] = _Recent(max_kept)
         self._wakers_kept: _Recent[tuple[int | bytes, ...], Waker | None] = _Recent(max_kept)
-        # Whole rows whose frames and waker are both kept: (tgid, tid, state,
-        # ustack, kstack) -> (start, raw waker, waker's start, resolution). A
-        # row that comes back with the same waker (most do, interval after
-        # interval) is answered by one lookup and two comparisons.
-        self._rows: _Recent[tuple[int, ...], tuple[int, RawWaker, int, Resolved]] = \
-            _Recent(max_kept)
         self._generation = -1
         self.hits = 0  #: rows resolved from what was kept (cumulative)
         self.misses = 0  #: rows resolved afresh (cumulative)
@@ -106,7 +95,6 @@ class RowFrames:
         """What was not asked for since the last call is dropped at the next."""
         self._kept.rotate()
         self._wakers_kept.rotate()
-        self._rows.rotate()
 
     def resolve(self, tgid: int, tid: int, st: int, us: int, ks: int, waker: RawWaker,
                 deadline: float) -> Resolved:
@@ -117,20 +105,10 @@ class RowFrames:
         if stacks.generation != self._generation:
             self._kept.clear()
             self._wakers_kept.clear()
-            self._rows.clear()
             self._generation = stacks.generation
         start = frames.start_of(tgid)
         py = frames.python
         python = py is not None and py.is_python(tgid)
-        rkey = (tgid, tid, st, us, ks)
-        row = None if python else self._rows.get(rkey)
-        if row is not None and row[0] == start and row[1] == waker \
-                and row[2] == self._waker_start(waker):
-            stacks.touch(ks, us)
-            if waker[4] >> 24:
-                stacks.touch(waker[3], waker[2])
-            self.hits += 1
-            return row[3]
         key = (tgid, start, tid, st, us, ks)
         kept = None if python else self._kept.get(key)
         if kept is not None:
@@ -142,35 +120,24 @@ class RowFrames:
             kernel, user, before = frames.frames_of(tgid, tid, st, us, ks, deadline)
             if (start and not python and not st & ST_BEFORE_START and not frames.gave_up()
                     and stacks.final(tgid, start, us)):
-                kept = (kernel, user, before)
-                self._kept.put(key, kept)
-        w, w_kept, wstart = self._waker(waker)
-        resolved = (kernel, user, before, w, start)
-        if kept is not None and w_kept:
-            self._rows.put(rkey, (start, waker, wstart, resolved))
-        return resolved
+                self._kept.put(key, (kernel, user, before))
+        return kernel, user, before, self._waker(waker), start
 
-    def _waker_start(self, raw: RawWaker) -> int:
-        """The start time of a waking process whose user stack is kept (else 0)."""
-        return self._frames.start_of(raw[0]) if raw[0] > 0 and raw[2] >= 0 else 0
-
-    def _waker(self, raw: RawWaker) -> tuple[Waker | None, bool, int]:
-        """(the waker, whether it is kept, the waking process's start time)."""
+    def _waker(self, raw: RawWaker) -> Waker | None:
         if not WAKER_KINDS.get(raw[4] >> 24):
-            return None, True, 0  # the probe saw none (as Wakers.waker says, without its cost)
+            return None  # the probe saw none (as Wakers.waker says, without its cost)
         frames = self._frames
         stacks = frames.stacks
         assert stacks is not None
         wtgid, wus, wks = raw[0], raw[2], raw[3]
-        wstart = self._waker_start(raw)
+        wstart = frames.start_of(wtgid) if wtgid > 0 and wus >= 0 else 0
         key = (*raw, wstart)
         kept = self._wakers_kept.get(key)
         if kept is not None:
             stacks.touch(wks, wus)
-            return kept, True, wstart
+            return kept
         w = self._wakers.waker(raw)
         if ((wstart or wus < 0) and not frames.gave_up()
                 and (wus < 0 or stacks.final(wtgid, wstart, wus))):
             self._wakers_kept.put(key, w)
-            return w, True, wstart
-        return w, False, wstart
+        return w
