@@ -70,8 +70,10 @@ class BlockedNowTable(LineTable[int]):
     paused: var[bool] = var(False, init=False)
     """The display is frozen: waits are not read."""
 
-    #: How often waits are read from the source (seconds).
-    READ_EVERY_S: ClassVar[float] = 0.25
+    #: How often waits are read from the source (seconds). Each read that
+    #: changes a wait shown redraws the screen, and a redraw is most of what
+    #: the TUI costs on a quiet machine: twice a second keeps waits live.
+    READ_EVERY_S: ClassVar[float] = 0.5
 
     class Chosen(Message):
         """Enter on a blocked task."""
