@@ -348,7 +348,9 @@ class BpfMap:
 
     def all_keys(self, *, chunk_bytes: int = 1 << 20) -> list[bytes]:
         """Every key: in batches where the kernel can, else by walking."""
-        raw = self.items_raw(chunk_bytes=chunk_bytes)
+        # Values are read (the batch command copies them) but not kept: a
+        # stack map's are ~1 kB each, and keeping them made a 50 MB peak.
+        raw = self.items_raw(chunk_bytes=chunk_bytes, values=False)
         if raw is None:
             return list(self.keys_by_walk())
         keys, _, n = raw
@@ -377,13 +379,14 @@ class BpfMap:
             out.append((k, v))
         return out
 
-    def items_raw(self, *, delete: bool = False,
-                  chunk_bytes: int = 4 << 20) -> tuple[bytes, bytes, int] | None:
+    def items_raw(self, *, delete: bool = False, chunk_bytes: int = 4 << 20,
+                  values: bool = True) -> tuple[bytes, bytes, int] | None:
         """The whole map as two byte strings (keys, values back to back) and their count.
 
         For decoding in bulk (`struct.iter_unpack`). One batch command per
         `chunk_bytes` of entries; None where the kernel has no batch commands
-        for this map (then `items` walks it).
+        for this map (then `items` walks it). `values=False`: the values
+        come back empty (b""), never held beyond one batch.
         """
         if self.batch_ok is False:
             return None
@@ -395,14 +398,14 @@ class BpfMap:
         if bufs is None or bufs[0] < count:
             bufs = (count, ct.create_string_buffer(count * ks), ct.create_string_buffer(count * vs))
         try:
-            return self._read_batches(cmd, bufs)
+            return self._read_batches(cmd, bufs, keep_values=values)
         finally:
             with self._batch_lock:
                 self._batch_bufs = bufs
 
     def _read_batches(self, cmd: int,
-                      bufs: tuple[int, ct.Array[ct.c_char], ct.Array[ct.c_char]]
-                      ) -> tuple[bytes, bytes, int] | None:
+                      bufs: tuple[int, ct.Array[ct.c_char], ct.Array[ct.c_char]], *,
+                      keep_values: bool = True) -> tuple[bytes, bytes, int] | None:
         """`items_raw`'s batch commands, into `bufs` (capacity, keys, values)."""
         ks, vs = self.key_size, self.value_bytes
         count, keys, values = bufs
@@ -434,7 +437,8 @@ class BpfMap:
             n = int(attr.count)
             if n:
                 kparts.append(ct.string_at(keys, n * ks))
-                vparts.append(ct.string_at(values, n * vs))
+                if keep_values:
+                    vparts.append(ct.string_at(values, n * vs))
                 total += n
             if res == -errno.ENOENT:  # that was the last of it
                 return b"".join(kparts), b"".join(vparts), total
