@@ -679,6 +679,24 @@ def test_btf_that_is_not_is_refused_not_misread(damage: str) -> None:
         func_id_in(bytes(data), "f")  # "kind": kind 31 is unknown: nothing past it can be sized
 
 
+def test_saved_registers_are_off_without_the_kernel_s_btf(tmp_path: Path) -> None:
+    from offtop.bpf.task_regs import TaskRegisters
+
+    class NeverLoaded:
+        """A fake program (for this test): loading must not even be tried."""
+
+        def load_iterator(self, function: str, attach_btf_id: int) -> int:
+            raise AssertionError("loaded without a BTF id")
+
+    missing = TaskRegisters(NeverLoaded(), btf_path=str(tmp_path / "none"))
+    assert missing.of(os.getpid()) is None and "kernel BTF" in missing.unavailable
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"\0" * 64)
+    bad = TaskRegisters(NeverLoaded(), btf_path=str(junk))
+    assert bad.of(os.getpid()) is None and "not BTF" in bad.unavailable
+    assert bad.of(os.getpid()) is None and bad.reads == 0  # asked once, then off for good
+
+
 @pytest.mark.bpf
 def test_saved_user_registers_of_a_blocked_thread(bpf_available: None,
                                                    warm: ArtifactCache) -> None:
