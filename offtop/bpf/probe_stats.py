@@ -4,7 +4,10 @@ The kernel counts a program's run time and runs only while someone holds a
 BPF_ENABLE_STATS fd, and while it does every BPF program on the machine
 pays two clock reads per run (measured: +68 ns per context switch). So the
 stats are on for a short window in the middle of each interval and scaled
-to the interval (window 0: on for the whole run, as bpftop does).
+to the interval (window 0: on for the whole run, as bpftop does). An
+interval whose window was missed (no poll between its middle and its end:
+a machine so loaded that one step of the loop took the rest of the
+interval) is given the rate of the last window measured, never a false 0.
 """
 
 from __future__ import annotations
@@ -49,11 +52,13 @@ class ProbeStats:
         self._read = read
         self._enable = enable or (lambda: syscalls.enable_bpf_run_stats())
         self._fd = -1
+        self.missed = 0  #: intervals whose window was missed (given the last window's rate)
         self._on_at = 0.0
         self._open_at = 0.0
         self._opened = False
         self._prev = (0, 0)
         self._result: tuple[int, int, float] | None = None  # (run ns, runs, seconds)
+        self._last: tuple[int, int, float] | None = None  # the last window measured
         if not window_s:
             self._turn_on()
 
@@ -82,7 +87,11 @@ class ProbeStats:
             return max(0, run_ns - prev_ns), max(0, runs - prev_runs)
         self._close_window(self._clock())
         if self._result is None:
-            return 0, 0
+            self.missed += 1
+            if self._last is None:
+                return 0, 0
+            run_ns, runs, seconds = self._last
+            return round(run_ns * elapsed / seconds), round(runs * elapsed / seconds)
         run_ns, runs, seconds = self._result
         scale = elapsed / seconds if seconds < elapsed else 1.0
         return round(run_ns * scale), round(runs * scale)
@@ -106,6 +115,6 @@ class ProbeStats:
             return
         run_ns, runs = self._read(self._prog_fd)
         prev_ns, prev_runs = self._prev
-        self._result = (max(0, run_ns - prev_ns), max(0, runs - prev_runs),
-                        max(1e-9, now - self._on_at))
+        self._result = self._last = (max(0, run_ns - prev_ns), max(0, runs - prev_runs),
+                                     max(1e-9, now - self._on_at))
         self.close()

@@ -1,0 +1,37 @@
+"""The probe's cost sampled in a window per interval (offtop.bpf.probe_stats), with a fake
+clock and fake run-time counters (named so): the windowing rules are Python's."""
+
+from __future__ import annotations
+
+from offtop.bpf.probe_stats import ProbeStats
+
+
+class FakeCounters:
+    """The kernel's run_time_ns / run_cnt of a program that runs at a steady rate."""
+
+    def __init__(self, clock: list[float], ns_per_s: int, runs_per_s: int) -> None:
+        self.clock, self.ns_per_s, self.runs_per_s = clock, ns_per_s, runs_per_s
+
+    def __call__(self, prog_fd: int) -> tuple[int, int]:
+        t = self.clock[0]
+        return round(t * self.ns_per_s), round(t * self.runs_per_s)
+
+
+def test_a_missed_window_gives_the_last_rate_not_zero() -> None:
+    now = [0.0]
+    stats = ProbeStats(3, window_s=0.1, clock=lambda: now[0],
+                       read=FakeCounters(now, 2_000_000, 50_000), enable=lambda: -1)
+    assert stats.interval_result(1.0) == (0, 0) and stats.missed == 1  # nothing known yet
+    # An interval polled through its middle: measured in the window, scaled.
+    stats.start_interval(1.0, 1.0)
+    for t in (1.2, 1.45, 1.5, 1.56, 1.8, 2.0):
+        now[0] = t
+        stats.poll(t)
+    assert stats.interval_result(1.0) == (2_000_000, 50_000)
+    # One step of the loop took the whole second half: no poll in the window.
+    stats.start_interval(2.0, 1.0)
+    now[0] = 2.1
+    stats.poll(2.1)
+    now[0] = 3.0
+    assert stats.interval_result(1.0) == (2_000_000, 50_000)
+    assert stats.missed == 2
