@@ -35,3 +35,11 @@ def test_a_missed_window_gives_the_last_rate_not_zero() -> None:
     now[0] = 3.0
     assert stats.interval_result(1.0) == (2_000_000, 50_000)
     assert stats.missed == 2
+    # The first poll past the middle came just before the end: a window of
+    # 1 ms (counters that may not have moved) is not a measure either.
+    stats.start_interval(3.0, 1.0)
+    now[0] = 3.999
+    stats.poll(3.999)
+    now[0] = 4.0
+    assert stats.interval_result(1.0) == (2_000_000, 50_000)
+    assert stats.missed == 3

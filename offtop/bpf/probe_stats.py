@@ -5,9 +5,10 @@ BPF_ENABLE_STATS fd, and while it does every BPF program on the machine
 pays two clock reads per run (measured: +68 ns per context switch). So the
 stats are on for a short window in the middle of each interval and scaled
 to the interval (window 0: on for the whole run, as bpftop does). An
-interval whose window was missed (no poll between its middle and its end:
-a machine so loaded that one step of the loop took the rest of the
-interval) is given the rate of the last window measured, never a false 0.
+interval whose window was missed or cut short (no poll from its middle
+until just before its end: a machine so loaded that one step of the loop
+took the rest of the interval) is given the rate of the last whole window,
+never a false 0 from a window of a few microseconds.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class ProbeStats:
         self._read = read
         self._enable = enable or (lambda: syscalls.enable_bpf_run_stats())
         self._fd = -1
-        self.missed = 0  #: intervals whose window was missed (given the last window's rate)
+        self.missed = 0  #: intervals whose window was missed or cut short (given the last rate)
         self._on_at = 0.0
         self._open_at = 0.0
         self._opened = False
@@ -86,13 +87,15 @@ class ProbeStats:
             self._prev = (run_ns, runs)
             return max(0, run_ns - prev_ns), max(0, runs - prev_runs)
         self._close_window(self._clock())
-        if self._result is None:
+        result = self._result
+        if result is None or result[2] < self._window / 2:
             self.missed += 1
-            if self._last is None:
+            if self._last is not None:
+                run_ns, runs, seconds = self._last
+                return round(run_ns * elapsed / seconds), round(runs * elapsed / seconds)
+            if result is None:
                 return 0, 0
-            run_ns, runs, seconds = self._last
-            return round(run_ns * elapsed / seconds), round(runs * elapsed / seconds)
-        run_ns, runs, seconds = self._result
+        run_ns, runs, seconds = result
         scale = elapsed / seconds if seconds < elapsed else 1.0
         return round(run_ns * scale), round(runs * scale)
 
@@ -115,6 +118,8 @@ class ProbeStats:
             return
         run_ns, runs = self._read(self._prog_fd)
         prev_ns, prev_runs = self._prev
-        self._result = self._last = (max(0, run_ns - prev_ns), max(0, runs - prev_runs),
-                                     max(1e-9, now - self._on_at))
+        self._result = (max(0, run_ns - prev_ns), max(0, runs - prev_runs),
+                        max(1e-9, now - self._on_at))
+        if self._result[2] >= self._window / 2:
+            self._last = self._result
         self.close()
