@@ -20,7 +20,6 @@ of a memory-mapped array), both meant to be called from here.
 
 from __future__ import annotations
 
-import gc
 import sys
 import threading
 import time
@@ -40,7 +39,7 @@ from textual.screen import Screen
 from textual.widgets import Input, Static
 
 from offtop.app_keys import APP_BINDINGS, PALETTE, REPLAY_BINDINGS, THRESHOLD_PRESETS_NS
-from offtop.gc_pacing import GcPacing
+from offtop.gc_pacing import GcPacing, freeze_alive
 from offtop.model import RowKey, Snapshot, SnapshotIndex
 from offtop.pump import (
     ExitSignals,
@@ -137,7 +136,7 @@ class OfftopApp(App[int]):
         self.clock = clock or time.monotonic
         #: Own the process's cyclic GC (the process that runs the app): once
         #: the first snapshot is on screen, move everything alive then out of
-        #: its full passes, and make those passes the app's, see `FULL_GC_EVERY`.
+        #: its full passes, and make those passes the app's (`gc_pacing`).
         self.freeze_gc = freeze_gc
         self._shown = 0
         self.gc_pacing = GcPacing()  #: its full GC passes, with `freeze_gc`
@@ -456,11 +455,6 @@ class OfftopApp(App[int]):
                                 partial(self.set_threshold, ns))
 
 
-def _freeze_gc() -> None:
-    gc.collect()
-    gc.freeze()
-
-
 def run_app(source: SnapshotSource, *, interval_s: float = 1.0,
             on_error: Callable[[BaseException], None] | None = None) -> int:
     """Run the TUI until the user quits; returns the exit code.
@@ -473,7 +467,7 @@ def run_app(source: SnapshotSource, *, interval_s: float = 1.0,
     # What is loaded by now (Textual, Rich, bcc, ...) lives as long as the
     # process: keep it out of the cyclic GC's full collections, which would
     # otherwise scan it every time and stall the UI for tens of ms.
-    _freeze_gc()
+    freeze_alive()
     app.run()
     if app.source_error is not None:
         if on_error is None:

@@ -23,6 +23,12 @@ import time
 from collections.abc import Callable
 
 
+def freeze_alive() -> None:
+    """Collect, then move everything alive out of the cyclic GC's sight for good."""
+    gc.collect()
+    gc.freeze()
+
+
 class GcPacing:
     """Full GC passes at the loop's pace (see the module docstring)."""
 
@@ -57,8 +63,7 @@ class GcPacing:
         """A full pass now; the first also freezes what is alive and stops Python's own."""
         if self._saved is None:
             self._saved = gen0, gen1, _ = gc.get_threshold()
-            gc.collect()
-            gc.freeze()
+            freeze_alive()
             gc.set_threshold(gen0, gen1, self.NO_FULL_GC)
         else:
             gc.collect()

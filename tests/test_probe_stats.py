@@ -22,24 +22,22 @@ def test_a_missed_window_gives_the_last_rate_not_zero() -> None:
     stats = ProbeStats(3, window_s=0.1, clock=lambda: now[0],
                        read=FakeCounters(now, 2_000_000, 50_000), enable=lambda: -1)
     assert stats.interval_result(1.0) == (0, 0) and stats.missed == 1  # nothing known yet
+    def interval(start: float, polls: tuple[float, ...]) -> tuple[int, int]:
+        """One interval of 1 s from `start`, polled at `polls`: its result."""
+        stats.start_interval(start, 1.0)
+        for t in polls:
+            now[0] = t
+            stats.poll(t)
+        now[0] = start + 1.0
+        return stats.interval_result(1.0)
+
     # An interval polled through its middle: measured in the window, scaled.
-    stats.start_interval(1.0, 1.0)
-    for t in (1.2, 1.45, 1.5, 1.56, 1.8, 2.0):
-        now[0] = t
-        stats.poll(t)
-    assert stats.interval_result(1.0) == (2_000_000, 50_000)
+    assert interval(1.0, (1.2, 1.45, 1.5, 1.56, 1.8)) == (2_000_000, 50_000)
+    assert stats.missed == 1
     # One step of the loop took the whole second half: no poll in the window.
-    stats.start_interval(2.0, 1.0)
-    now[0] = 2.1
-    stats.poll(2.1)
-    now[0] = 3.0
-    assert stats.interval_result(1.0) == (2_000_000, 50_000)
+    assert interval(2.0, (2.1,)) == (2_000_000, 50_000)
     assert stats.missed == 2
     # The first poll past the middle came just before the end: a window of
     # 1 ms (counters that may not have moved) is not a measure either.
-    stats.start_interval(3.0, 1.0)
-    now[0] = 3.999
-    stats.poll(3.999)
-    now[0] = 4.0
-    assert stats.interval_result(1.0) == (2_000_000, 50_000)
+    assert interval(3.0, (3.999,)) == (2_000_000, 50_000)
     assert stats.missed == 3

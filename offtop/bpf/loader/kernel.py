@@ -209,11 +209,8 @@ class LoadedObject:
                 fds.append(fd)
             obj.map_fds = fds
             for i, prog in enumerate(artifact.programs):
-                if prog.type != PROG_TYPE_TRACEPOINT:
-                    continue
-                insns = patched(artifact, i, fds, constants)
-                obj.progs[prog.name] = load_program(prog.type, prog.name, insns,
-                                                    artifact.license, artifact.kern_version)
+                if prog.type == PROG_TYPE_TRACEPOINT:
+                    obj.progs[prog.name] = obj._load(i)
         except BaseException:
             obj.close()
             raise
@@ -231,13 +228,18 @@ class LoadedObject:
             return self.progs[function]
         for i, prog in enumerate(self.artifact.programs):
             if prog.name == function and prog.type == PROG_TYPE_TRACING:
-                insns = patched(self.artifact, i, self.map_fds, self.constants)
-                fd = load_program(prog.type, prog.name, insns, self.artifact.license,
-                                  self.artifact.kern_version, attach_type=BPF_TRACE_ITER,
-                                  attach_btf_id=attach_btf_id)
-                self.progs[function] = fd
+                fd = self.progs[function] = self._load(i, attach_type=BPF_TRACE_ITER,
+                                                       attach_btf_id=attach_btf_id)
                 return fd
         raise LoadFailed(f"no iterator {function} in the program", artifact_fault=False)
+
+    def _load(self, index: int, *, attach_type: int = 0, attach_btf_id: int = 0) -> int:
+        """Program `index` of the artifact, its maps' fds and this run's constants
+        written in, into the kernel: its fd."""
+        prog, art = self.artifact.programs[index], self.artifact
+        insns = patched(art, index, self.map_fds, self.constants)
+        return load_program(prog.type, prog.name, insns, art.license, art.kern_version,
+                            attach_type=attach_type, attach_btf_id=attach_btf_id)
 
     def attach(self, function: str, tracepoint: str) -> None:
         """Run program `function` on `tracepoint` ("category:event"), after those attached before."""
