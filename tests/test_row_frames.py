@@ -104,7 +104,8 @@ def test_a_final_row_is_resolved_once_and_its_ids_stay_in_use(rig: Any) -> None:
     assert again == first and again[1] is first[1]
     assert rig.rows.hits == 1 and rig.usyms.calls == 1
     # The hit stamped its ids as a resolution would: not reclaimable as unused.
-    assert rig.frames.stacks._last_use == {("k", 1): 5, ("u", 7): 5}
+    stacks = rig.frames.stacks
+    assert (stacks.last_use("k", 1), stacks.last_use("u", 7), stacks.used) == (5, 5, 2)
 
 
 def test_a_row_with_unresolved_frames_is_looked_at_again(rig: Any) -> None:

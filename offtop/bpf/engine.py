@@ -80,7 +80,13 @@ _RawKey = tuple[int, int, int, int, int, int, int, int]
 @dataclass(slots=True)
 class _Row:
     """One raw key's sums over an interval; its stacks and its process's start time
-    taken at first sight (while the process lives)."""
+    taken at first sight (while the process lives).
+
+    A row whose resolution is final (`RowFrames`) is kept for the next interval
+    and given its new sums there without being resolved again, as long as its
+    process is the same one (its start time), its stack ids name the same
+    stacks (the store's generation) and its waker's stacks are the same ones.
+    """
 
     total: int
     count: int
@@ -91,20 +97,16 @@ class _Row:
     before: bool
     waker: Waker | None
     start: int
+    seq: int = 0  #: the interval its sums are of
+    final: bool = False  #: its frames and waker may be carried into the next interval
+    wus: int = -1  #: the waker's user stack id its waker was resolved from
+    wks: int = -1  #: and kernel stack id
 
 
 @dataclass(slots=True)
 class _Interval:
-    """What accumulates between two snapshots.
+    """What accumulates between two snapshots besides the rows (`BpfSource._known`)."""
 
-    The probe's rows are summed here by their raw key (ids, not frames)
-    over the whole interval; a key's stacks are resolved the first time it
-    is seen in the interval (at a sub-tick, while its process lives), and
-    samples are made once, at the snapshot: the work grows with the keys
-    that were active, not with how often each was drained.
-    """
-
-    rows: dict[tuple[int, ...], _Row] = field(default_factory=dict)
     long_blocks: deque[LongBlock] = field(default_factory=deque)
     events: int = 0
     notices: list[str] = field(default_factory=list)
@@ -159,6 +161,14 @@ class BpfSource:
         self._durations: list[int] = []  # a sample of this sub-tick's event durations
         self._subtick_events = 0
         self._interval = _Interval(long_blocks=deque(maxlen=config.long_blocks_max))
+        # The probe's rows by raw key (ids, not frames), summed over the interval
+        # (those whose `seq` is the interval's; the others are last interval's,
+        # kept to be carried: see _Row). A key is resolved the first time it is
+        # seen (at a sub-tick, while its process lives) and samples are made
+        # once, at the snapshot: the work grows with the keys that were active,
+        # not with how often each was drained.
+        self._known: dict[tuple[int, ...], _Row] = {}
+        self._known_generation = 0
         self._last_tick = 0.0
         self._last_subtick = 0.0
         self._next_subtick = 0.0
@@ -363,7 +373,15 @@ class BpfSource:
         if self.frames.python is not None:
             self.frames.python.sample(self._blocked_record)
         iv = self._interval
-        rows = iv.rows
+        rows = self._known
+        stacks = self.frames.stacks
+        assert stacks is not None
+        if stacks.generation != self._known_generation:
+            # Ids were deleted (and may be handed out again): nothing is carried.
+            self._known_generation = stacks.generation
+            for kept in rows.values():
+                kept.final = False
+        seq = self._seq + 1  # the interval being summed
         accepts = self.targets.accepts
         drained = self.probe.drain_aggregates()
         while chunk := list(islice(drained, _STOP_CHECK_ROWS)):
@@ -377,24 +395,32 @@ class BpfSource:
                     key = (tgid, tid, st, us, ks, waker[0], waker[1], waker[4], 0)
                 row = rows.get(key)
                 if row is not None:
-                    row.total += total
-                    row.count += count
-                    if mx > row.max_ns:
-                        row.max_ns = mx
-                elif accepts(tgid, tid):
-                    rows[key] = self._new_row(key, total, count, mx, comm, waker, deadline)
+                    if row.seq == seq:
+                        row.total += total
+                        row.count += count
+                        if mx > row.max_ns:
+                            row.max_ns = mx
+                        continue
+                    if row.final and self._carry(row, tgid, tid, waker):
+                        row.seq, row.total, row.count, row.max_ns, row.comm = \
+                            seq, total, count, mx, comm
+                        continue
+                if accepts(tgid, tid):
+                    rows[key] = self._new_row(key, total, count, mx, comm, waker, deadline, seq)
         if self._event_acc:
             for ekey, (tot, cnt, mx, comm, wcomm, wus, wks) in self._event_acc.items():
                 key = (*ekey, 1)
-                row = rows.get(key)
-                if row is not None:
-                    row.total += tot
-                    row.count += cnt
-                    if mx > row.max_ns:
-                        row.max_ns = mx
-                else:
-                    waker = (ekey[5], ekey[6], wus, wks, ekey[7], wcomm)
-                    rows[key] = self._new_row(key, tot, cnt, mx, comm, waker, deadline)
+                waker = (ekey[5], ekey[6], wus, wks, ekey[7], wcomm)
+                erow = rows.get(key)
+                if erow is not None and erow.seq == seq:
+                    erow.total += tot
+                    erow.count += cnt
+                    if mx > erow.max_ns:
+                        erow.max_ns = mx
+                elif erow is not None and erow.final and self._carry(erow, ekey[0], ekey[1], waker):
+                    erow.seq, erow.total, erow.count, erow.max_ns, erow.comm = seq, tot, cnt, mx, comm
+                else:  # accepted: _read_ring kept only those
+                    rows[key] = self._new_row(key, tot, cnt, mx, comm, waker, deadline, seq)
             self._event_acc = {}
         if self._event_tail:
             wall = self._mono_to_wall
@@ -441,14 +467,28 @@ class BpfSource:
                 [*self._interval.notices])
 
     def _new_row(self, key: tuple[int, ...], total: int, count: int, mx: int, comm: bytes,
-                 waker: RawWaker, deadline: float) -> _Row:
+                 waker: RawWaker, deadline: float, seq: int) -> _Row:
         tgid, tid, st, us, ks = key[:5]
         if us == UNRESOLVED_ID:
             return _Row(total, count, mx, comm, (), (NOT_RESOLVED,), bool(st & ST_BEFORE_START),
-                        None, self.frames.start_of(tgid))
-        kernel, user, before, w, start = self._rows.resolve(tgid, tid, st, us, ks, waker,
-                                                            deadline)
-        return _Row(total, count, mx, comm, kernel, user, before, w, start)
+                        None, self.frames.start_of(tgid), seq)
+        kernel, user, before, w, start, final = self._rows.resolve(tgid, tid, st, us, ks, waker,
+                                                                   deadline)
+        return _Row(total, count, mx, comm, kernel, user, before, w, start, seq, final,
+                    waker[2], waker[3])
+
+    def _carry(self, row: _Row, tgid: int, tid: int, waker: RawWaker) -> bool:
+        """Whether last interval's final row still holds for this one (see _Row); its
+        waker is resolved again if its stacks changed."""
+        frames = self.frames
+        if frames.start_of(tgid) != row.start or not self.targets.accepts(tgid, tid):
+            return False
+        if frames.python is not None and frames.python.is_python(tgid):
+            return False  # found to be Python since: its frames change per sample
+        if waker[2] != row.wus or waker[3] != row.wks:
+            row.waker, row.final = self._rows.waker(waker)
+            row.wus, row.wks = waker[2], waker[3]
+        return True
 
     def _samples(self, rows: dict[tuple[int, ...], _Row]) -> Iterator[RawSample]:
         """The interval's summed rows as the model's samples (once per key)."""
@@ -505,6 +545,12 @@ class BpfSource:
         self._lost_seen = lost_total
         iv = self._interval
         self._interval = _Interval(long_blocks=deque(maxlen=self.config.long_blocks_max))
+        seq = self._seq
+        # This interval's rows; the others were not seen in it and are dropped.
+        rows = self._known = {k: r for k, r in self._known.items() if r.seq == seq}
+        # Their ids stay in use (not reclaimed), carried rows' as resolved ones'.
+        stacks.touch_all([k[4] for k in rows] + [r.wks for r in rows.values()],
+                         [k[3] for k in rows] + [r.wus for r in rows.values()])
         cpu_pct, rss = self._self_cost.interval(elapsed)
         st = stacks.stats
         usyms = self._usyms
@@ -517,7 +563,7 @@ class BpfSource:
             drops=drops,
             truncated_stacks=st.truncated,
             symbol_misses=usyms.misses if usyms else 0,
-            agg_entries=len(iv.rows),
+            agg_entries=len(rows),
             stacks_used=stacks.used,
             stacks_capacity=self.config.stack_entries + self.config.ustack_entries,
             stacks_reclaimed=st.reclaimed,
@@ -538,7 +584,7 @@ class BpfSource:
             usyms.evict()
         stacks.trim()
         return self.aggregator.build_raw(
-            self._samples(iv.rows),
+            self._samples(rows),
             time=time.time(),
             interval_s=elapsed,
             threshold_ns=self._user_threshold_ns,

@@ -35,8 +35,9 @@ from offtop.bpf.decode import ST_BEFORE_START, WAKER_KINDS
 from offtop.bpf.wakers import RawWaker, Wakers
 from offtop.model import Frame, Waker
 
-#: (kernel frames, user frames, began before offtop, waker, process start time)
-Resolved = tuple[tuple[Frame, ...], tuple[Frame, ...], bool, Waker | None, int]
+#: (kernel frames, user frames, began before offtop, waker, process start time, final:
+#: whether all of it is kept, so that it holds while the process does)
+Resolved = tuple[tuple[Frame, ...], tuple[Frame, ...], bool, Waker | None, int, bool]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -98,7 +99,7 @@ class RowFrames:
 
     def resolve(self, tgid: int, tid: int, st: int, us: int, ks: int, waker: RawWaker,
                 deadline: float) -> Resolved:
-        """(kernel, user, before, waker, start) of one summed row."""
+        """(kernel, user, before, waker, start, final) of one summed row."""
         frames = self._frames
         stacks = frames.stacks
         assert stacks is not None
@@ -111,6 +112,7 @@ class RowFrames:
         python = py is not None and py.is_python(tgid)
         key = (tgid, start, tid, st, us, ks)
         kept = None if python else self._kept.get(key)
+        final = kept is not None
         if kept is not None:
             stacks.touch(ks, us)
             self.hits += 1
@@ -121,11 +123,14 @@ class RowFrames:
             if (start and not python and not st & ST_BEFORE_START and not frames.gave_up()
                     and stacks.final(tgid, start, us)):
                 self._kept.put(key, (kernel, user, before))
-        return kernel, user, before, self._waker(waker), start
+                final = True
+        w, waker_final = self.waker(waker)
+        return kernel, user, before, w, start, final and waker_final
 
-    def _waker(self, raw: RawWaker) -> Waker | None:
+    def waker(self, raw: RawWaker) -> tuple[Waker | None, bool]:
+        """The model's waker of a raw one, and whether it is kept (final, as for rows)."""
         if not WAKER_KINDS.get(raw[4] >> 24):
-            return None  # the probe saw none (as Wakers.waker says, without its cost)
+            return None, True  # the probe saw none (as Wakers.waker says, without its cost)
         frames = self._frames
         stacks = frames.stacks
         assert stacks is not None
@@ -135,9 +140,10 @@ class RowFrames:
         kept = self._wakers_kept.get(key)
         if kept is not None:
             stacks.touch(wks, wus)
-            return kept
+            return kept, True
         w = self._wakers.waker(raw)
         if ((wstart or wus < 0) and not frames.gave_up()
                 and (wus < 0 or stacks.final(wtgid, wstart, wus))):
             self._wakers_kept.put(key, w)
-        return w
+            return w, True
+        return w, False

@@ -89,7 +89,9 @@ class StackStore:
         self._udepth = user_depth
         self._max_cached = max_cached
         self._start_time = start_time
-        self._last_use: dict[tuple[str, int], int] = {}
+        # Per kind: id -> the interval it was last used in (ints as keys: stamped
+        # for every row of every interval on a busy server).
+        self._last_use: dict[str, dict[int, int]] = {"k": {}, "u": {}}
         self._frames: dict[tuple[str, int, int, int], tuple[Frame, ...]] = {}
         self._retry: dict[tuple[str, int, int, int], int] = {}  # key -> interval to look again
         self._seq = 0
@@ -106,7 +108,11 @@ class StackStore:
     @property
     def used(self) -> int:
         """Stack ids known to be in use."""
-        return len(self._last_use)
+        return len(self._last_use["k"]) + len(self._last_use["u"])
+
+    def last_use(self, kind: str, sid: int) -> int | None:
+        """The interval id `sid` of `kind` was last stamped as used in (None: never)."""
+        return self._last_use[kind].get(sid)
 
     def next_interval(self, seq: int) -> None:
         """Stamp later uses with interval `seq` (for reclaiming)."""
@@ -116,9 +122,17 @@ class StackStore:
         """Stamp ids as used now, as resolving them would (they are not reclaimed)."""
         seq = self._seq
         if ksid >= 0:
-            self._last_use[("k", ksid)] = seq
+            self._last_use["k"][ksid] = seq
         if usid >= 0:
-            self._last_use[("u", usid)] = seq
+            self._last_use["u"][usid] = seq
+
+    def touch_all(self, kernel_ids: Iterable[int], user_ids: Iterable[int]) -> None:
+        """`touch` for many ids at once (negative ids, which name no stack, are skipped)."""
+        seq = self._seq
+        for kind, ids in (("k", kernel_ids), ("u", user_ids)):
+            used = set(ids)
+            used.difference_update([i for i in used if i < 0])
+            self._last_use[kind].update(dict.fromkeys(used, seq))
 
     def final(self, pid: int, start: int, sid: int) -> bool:
         """Whether the user frames of `sid` in process (`pid`, `start`) are cached and
@@ -142,7 +156,7 @@ class StackStore:
         """The kernel frames of id `sid` (() for none)."""
         if sid < 0 or self.kernel_symbols is None:
             return ()
-        self._last_use[("k", sid)] = self._seq
+        self._last_use["k"][sid] = self._seq
         key = ("k", sid, 0, 0)
         frames = self._frames.get(key)
         if frames is None:
@@ -168,7 +182,7 @@ class StackStore:
                 return ()
             self.stats.user_lost += 1
             return _USER_LOST
-        self._last_use[("u", sid)] = self._seq
+        self._last_use["u"][sid] = self._seq
         key = ("u", sid, pid, start)
         frames = self._frames.get(key)
         if frames is not None:
@@ -221,36 +235,37 @@ class StackStore:
             return
         if seq % 30 == 0:
             for kind in ("k", "u"):
+                used = self._last_use[kind]
                 for sid in self._maps.stack_ids(kind):
-                    self._last_use.setdefault((kind, sid), seq)
+                    used.setdefault(sid, seq)
         full = self._half_full()
         if not full:
             return
         horizon = seq - 2
         # User stacks live in an LRU map (offcpu.c): the kernel makes room there
         # itself; ids unused here are only forgotten, never deleted.
-        forget = [k for k, seen in self._last_use.items()
-                  if k[0] == "u" and seen < horizon and k not in live]
-        for k in forget:
-            del self._last_use[k]
-        victims = [k for k, seen in self._last_use.items()
-                   if k[0] in full and k[0] != "u" and seen < horizon and k not in live]
-        for kind, sid in victims:
-            self._maps.delete_stack(kind, sid)
-            del self._last_use[(kind, sid)]
+        users = self._last_use["u"]
+        for sid in [sid for sid, seen in users.items()
+                    if seen < horizon and ("u", sid) not in live]:
+            del users[sid]
+        if "k" not in full:
+            return
+        kernels = self._last_use["k"]
+        victims = [sid for sid, seen in kernels.items() if seen < horizon and ("k", sid) not in live]
+        for sid in victims:
+            self._maps.delete_stack("k", sid)
+            del kernels[sid]
         if victims:
             self.generation += 1
-            gone = set(victims)
+            gone = {("k", sid) for sid in victims}
             self._frames = {k: v for k, v in self._frames.items() if (k[0], k[1]) not in gone}
             self._retry = {k: v for k, v in self._retry.items() if (k[0], k[1]) not in gone}
             self.stats.reclaimed += len(victims)
 
     def _half_full(self) -> set[str]:
         """The kinds whose map is at least half full."""
-        used = {"k": 0, "u": 0}
-        for kind, _ in self._last_use:
-            used[kind] += 1
-        return {k for k, n in used.items() if n >= self._capacity.get(k, 0) // 2}
+        return {k for k, used in self._last_use.items()
+                if len(used) >= self._capacity.get(k, 0) // 2}
 
     def trim(self) -> None:
         """Bound the frame cache (called once per interval).

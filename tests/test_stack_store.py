@@ -1,0 +1,105 @@
+"""Stack ids freed before the probe's maps fill (offtop.bpf.stack_store.StackStore.reclaim):
+what was used lately, or is held by a task asleep now, stays; the rest of the
+kernel map is deleted once half full.
+
+The stack maps and symbolizers are fakes (named so): the rules under test are
+Python's; tests/test_bpf_e2e.py runs the real probe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offtop.bpf.stack_store import StackStore
+from offtop.model import Frame
+
+
+class FakeStackMaps:
+    """Stack ids -> addresses, as the probe's maps would hold them; deletions recorded."""
+
+    def __init__(self, kernel_ids: range, user_ids: range) -> None:
+        self.stacks = {("k", i): (0xFFFF0000 + i,) for i in kernel_ids}
+        self.stacks.update({("u", i): (0x401000 + i,) for i in user_ids})
+        self.deleted: list[tuple[str, int]] = []
+
+    def stack(self, kind: str, sid: int) -> tuple[int, ...] | None:
+        return self.stacks.get((kind, sid))
+
+    def stack_ids(self, kind: str) -> list[int]:
+        return [sid for k, sid in self.stacks if k == kind]
+
+    def delete_stack(self, kind: str, sid: int) -> None:
+        self.deleted.append((kind, sid))
+        self.stacks.pop((kind, sid), None)
+
+
+class FakeKernelSymbols:
+    def resolve_stack(self, addrs: Any) -> tuple[Frame, ...]:
+        return tuple(Frame(f"k{a:x}", kernel=True) for a in addrs)
+
+
+def store(maps: FakeStackMaps, capacity: int = 8) -> StackStore:
+    return StackStore(maps, kernel_symbols=FakeKernelSymbols(), user_symbols=None,  # type: ignore[arg-type]
+                      capacity={"k": capacity, "u": capacity}, kernel_depth=64, user_depth=64)
+
+
+def test_ids_unused_for_two_intervals_are_deleted_once_half_full() -> None:
+    maps = FakeStackMaps(range(4), range(0))
+    s = store(maps)
+    s.next_interval(1)
+    for sid in range(4):
+        s.kernel(sid)
+    s.next_interval(4)
+    s.touch_all([0], [])  # used now
+    s.reclaim(live={("k", 1)})  # held by a task blocked now
+    assert sorted(maps.deleted) == [("k", 2), ("k", 3)]
+    assert s.generation == 1 and s.stats.reclaimed == 2
+    assert (s.last_use("k", 0), s.last_use("k", 1), s.last_use("k", 2)) == (4, 1, None)
+
+
+def test_nothing_is_deleted_below_half_full() -> None:
+    maps = FakeStackMaps(range(3), range(0))
+    s = store(maps)
+    s.next_interval(1)
+    for sid in range(3):
+        s.kernel(sid)
+    s.next_interval(9)
+    s.reclaim(live=set())
+    assert maps.deleted == [] and s.generation == 0 and s.used == 3
+
+
+def test_bulk_stamps_skip_negative_ids_and_keep_what_they_name() -> None:
+    maps = FakeStackMaps(range(4), range(0))
+    s = store(maps)
+    s.next_interval(1)
+    for sid in range(4):
+        s.kernel(sid)
+    s.next_interval(5)
+    # Errnos (-14: no user stack) and offtop's own "not resolved" mark name no stack.
+    s.touch_all([2, 3, -14, -(1 << 40)], [-14, -12])
+    assert s.used == 4 and s.last_use("k", -14) is None and s.last_use("u", -12) is None
+    s.reclaim(live=set())
+    assert sorted(maps.deleted) == [("k", 0), ("k", 1)]
+
+
+def test_ids_the_maps_hold_but_no_row_named_are_counted_every_30_intervals() -> None:
+    maps = FakeStackMaps(range(4), range(0))  # in the maps, never looked up here
+    s = store(maps)
+    s.next_interval(30)
+    s.reclaim(live=set())
+    assert s.used == 4 and maps.deleted == []  # stamped now: not yet unused for long
+    s.next_interval(33)
+    s.reclaim(live=set())
+    assert sorted(maps.deleted) == [("k", 0), ("k", 1), ("k", 2), ("k", 3)]
+
+
+def test_user_ids_unused_are_forgotten_never_deleted() -> None:
+    """The user stack map is an LRU map: the kernel makes room in it itself."""
+    maps = FakeStackMaps(range(4), range(4))
+    s = store(maps)
+    s.next_interval(30)
+    s.reclaim(live={("u", 2)})
+    s.next_interval(33)
+    s.reclaim(live={("u", 2)})
+    assert all(kind == "k" for kind, _ in maps.deleted)
+    assert [s.last_use("u", i) for i in range(4)] == [None, None, 30, None]
