@@ -21,7 +21,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 from offtop.bpf import environment
@@ -34,7 +33,7 @@ from offtop.bpf.config import EngineConfig, EngineError
 from offtop.bpf.decode import EVENT_STRUCT, ST_BEFORE_START, STATE_BITS, decode_comm, state_name
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.perf_ring import PerfRing
-from offtop.bpf.probe import Probe
+from offtop.bpf.probe import Probe, RawRow, agg_key
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import PythonFrames
 from offtop.bpf.row_frames import RowFrames
@@ -97,7 +96,13 @@ class _Row:
     before: bool
     waker: Waker | None
     start: int
-    seq: int = 0  #: the interval its sums are of
+    tgid: int
+    tid: int
+    state: int
+    ustack: int
+    kstack: int
+    event: bool  #: summed from long blocks' events (else from the kernel's sums)
+    seq: int  #: the interval its sums are of
     final: bool = False  #: its frames and waker may be carried into the next interval
     wus: int = -1  #: the waker's user stack id its waker was resolved from
     wks: int = -1  #: and kernel stack id
@@ -167,7 +172,9 @@ class BpfSource:
         # seen (at a sub-tick, while its process lives) and samples are made
         # once, at the snapshot: the work grows with the keys that were active,
         # not with how often each was drained.
-        self._known: dict[tuple[int, ...], _Row] = {}
+        # Keyed by offcpu.c's struct agg_key as bytes (`Drained.keys`; a long
+        # block's with a byte more), or (tgid, tid, state, UNRESOLVED_ID).
+        self._known: dict[bytes | tuple[int, ...], _Row] = {}
         self._known_generation = 0
         self._last_tick = 0.0
         self._last_subtick = 0.0
@@ -384,15 +391,17 @@ class BpfSource:
         seq = self._seq + 1  # the interval being summed
         accepts = self.targets.accepts
         drained = self.probe.drain_aggregates()
-        while chunk := list(islice(drained, _STOP_CHECK_ROWS)):
+        keys, sums = drained.keys, drained.sums
+        for lo in range(0, len(keys), _STOP_CHECK_ROWS):
             # Asked once a chunk, not per row: once a stop came and its time to
             # resolve is over, the rest of the sub-tick's rows collapse at once.
             stopping = self.frames.gave_up()
-            for tgid, tid, st, us, ks, total, count, mx, comm, waker in chunk:
+            hi = lo + _STOP_CHECK_ROWS
+            for i, raw_key, (total, mx, count, comm, wus, wks) in zip(
+                    range(lo, hi), keys[lo:hi], sums[lo:hi], strict=False):
+                key: bytes | tuple[int, ...] = raw_key
                 if stopping:  # a row per thread and state, its stacks not resolved
-                    key = (tgid, tid, st, UNRESOLVED_ID, UNRESOLVED_ID, 0, 0, 0, 0)
-                else:
-                    key = (tgid, tid, st, us, ks, waker[0], waker[1], waker[4], 0)
+                    key = (*drained.row(i)[:3], UNRESOLVED_ID)
                 row = rows.get(key)
                 if row is not None:
                     if row.seq == seq:
@@ -401,26 +410,33 @@ class BpfSource:
                         if mx > row.max_ns:
                             row.max_ns = mx
                         continue
-                    if row.final and self._carry(row, tgid, tid, waker):
+                    if row.final and self._carries(row):
+                        if wus != row.wus or wks != row.wks:
+                            self._new_waker(row, drained.row(i)[9])
                         row.seq, row.total, row.count, row.max_ns, row.comm = \
                             seq, total, count, mx, comm
                         continue
-                if accepts(tgid, tid):
-                    rows[key] = self._new_row(key, total, count, mx, comm, waker, deadline, seq)
+                r = drained.row(i)
+                if accepts(r[0], r[1]):
+                    rows[key] = self._new_row(r, False, stopping, deadline, seq)
         if self._event_acc:
             for ekey, (tot, cnt, mx, comm, wcomm, wus, wks) in self._event_acc.items():
-                key = (*ekey, 1)
-                waker = (ekey[5], ekey[6], wus, wks, ekey[7], wcomm)
+                tgid, tid, st, us, ks, wt, wtid, what = ekey
+                key = agg_key(tgid, tid, st, us, ks, wt, wtid, what) + b"\x01"  # apart
+                waker = (wt, wtid, wus, wks, what, wcomm)
                 erow = rows.get(key)
                 if erow is not None and erow.seq == seq:
                     erow.total += tot
                     erow.count += cnt
                     if mx > erow.max_ns:
                         erow.max_ns = mx
-                elif erow is not None and erow.final and self._carry(erow, ekey[0], ekey[1], waker):
+                elif erow is not None and erow.final and self._carries(erow):
+                    if wus != erow.wus or wks != erow.wks:
+                        self._new_waker(erow, waker)
                     erow.seq, erow.total, erow.count, erow.max_ns, erow.comm = seq, tot, cnt, mx, comm
                 else:  # accepted: _read_ring kept only those
-                    rows[key] = self._new_row(key, tot, cnt, mx, comm, waker, deadline, seq)
+                    rows[key] = self._new_row((tgid, tid, st, us, ks, tot, cnt, mx, comm, waker),
+                                              True, False, deadline, seq)
             self._event_acc = {}
         if self._event_tail:
             wall = self._mono_to_wall
@@ -466,42 +482,44 @@ class BpfSource:
             self._finished = "nothing left to watch: " + "; ".join(
                 [*self._interval.notices])
 
-    def _new_row(self, key: tuple[int, ...], total: int, count: int, mx: int, comm: bytes,
-                 waker: RawWaker, deadline: float, seq: int) -> _Row:
-        tgid, tid, st, us, ks = key[:5]
-        if us == UNRESOLVED_ID:
+    def _new_row(self, raw: RawRow, event: bool, unresolved: bool, deadline: float,
+                 seq: int) -> _Row:
+        tgid, tid, st, us, ks, total, count, mx, comm, waker = raw
+        if unresolved:
             return _Row(total, count, mx, comm, (), (NOT_RESOLVED,), bool(st & ST_BEFORE_START),
-                        None, self.frames.start_of(tgid), seq)
+                        None, self.frames.start_of(tgid), tgid, tid, st, UNRESOLVED_ID,
+                        UNRESOLVED_ID, event, seq)
         kernel, user, before, w, start, final = self._rows.resolve(tgid, tid, st, us, ks, waker,
                                                                    deadline)
-        return _Row(total, count, mx, comm, kernel, user, before, w, start, seq, final,
-                    waker[2], waker[3])
+        return _Row(total, count, mx, comm, kernel, user, before, w, start, tgid, tid, st, us, ks,
+                    event, seq, final, waker[2], waker[3])
 
-    def _carry(self, row: _Row, tgid: int, tid: int, waker: RawWaker) -> bool:
-        """Whether last interval's final row still holds for this one (see _Row); its
-        waker is resolved again if its stacks changed."""
+    def _carries(self, row: _Row) -> bool:
+        """Whether last interval's final row still holds for this one (see _Row)."""
         frames = self.frames
-        if frames.start_of(tgid) != row.start or not self.targets.accepts(tgid, tid):
+        tgid = row.tgid
+        if frames.start_of(tgid) != row.start or not self.targets.accepts(tgid, row.tid):
             return False
-        if frames.python is not None and frames.python.is_python(tgid):
-            return False  # found to be Python since: its frames change per sample
-        if waker[2] != row.wus or waker[3] != row.wks:
-            row.waker, row.final = self._rows.waker(waker)
-            row.wus, row.wks = waker[2], waker[3]
-        return True
+        # Found to be Python since: its frames change per sample.
+        return frames.python is None or not frames.python.is_python(tgid)
 
-    def _samples(self, rows: dict[tuple[int, ...], _Row]) -> Iterator[RawSample]:
+    def _new_waker(self, row: _Row, raw: RawWaker) -> None:
+        """A carried row's waker, resolved again: its stacks are not the ones it had."""
+        row.waker, row.final = self._rows.waker(raw)
+        row.wus, row.wks = raw[2], raw[3]
+
+    def _samples(self, rows: dict[bytes | tuple[int, ...], _Row]) -> Iterator[RawSample]:
         """The interval's summed rows as the model's samples (once per key)."""
         comms = self._comms
         if len(comms) > 100_000:
             comms.clear()
         states = STATE_BITS  # state_name(), inlined: once per row
-        for key, r in rows.items():
+        for r in rows.values():
             comm = comms.get(r.comm)
             if comm is None:
                 comm = comms[r.comm] = decode_comm(r.comm)
-            yield (key[0], key[1], comm, states.get(key[2] & 0x1FF, "?"), r.total, r.count,
-                   r.max_ns, r.kernel, r.user, bool(key[-1]), r.start, r.before, r.waker)
+            yield (r.tgid, r.tid, comm, states.get(r.state & 0x1FF, "?"), r.total, r.count,
+                   r.max_ns, r.kernel, r.user, r.event, r.start, r.before, r.waker)
 
     # --- the snapshot -------------------------------------------------------
 
@@ -549,8 +567,9 @@ class BpfSource:
         # This interval's rows; the others were not seen in it and are dropped.
         rows = self._known = {k: r for k, r in self._known.items() if r.seq == seq}
         # Their ids stay in use (not reclaimed), carried rows' as resolved ones'.
-        stacks.touch_all([k[4] for k in rows] + [r.wks for r in rows.values()],
-                         [k[3] for k in rows] + [r.wus for r in rows.values()])
+        kept = rows.values()
+        stacks.touch_all([r.kstack for r in kept] + [r.wks for r in kept],
+                         [r.ustack for r in kept] + [r.wus for r in kept])
         cpu_pct, rss = self._self_cost.interval(elapsed)
         st = stacks.stats
         usyms = self._usyms

@@ -18,9 +18,11 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from offtop.bpf import environment
 from offtop.bpf.config import EngineConfig, EngineError
@@ -58,12 +60,57 @@ _RULE_KEY = struct.Struct("<IIQ")  # offcpu.c struct rule_key
 _AGG_KEY = struct.Struct("<IIiiIIII")
 _AGG_VAL = struct.Struct("<QQQ16s16sii")
 assert _AGG_KEY.size == ct.sizeof(AggKey) and _AGG_VAL.size == ct.sizeof(AggValue)
+#: What summing a row needs of its agg_val: (total_ns, max_ns, count, comm, waker ustack,
+#: waker kstack).
+_AGG_SUMS = struct.Struct("<QQQ16s16xii")
+assert _AGG_SUMS.size == _AGG_VAL.size
 
 #: A waker as the probe keeps it: (tgid, tid, ustack, kstack, what, comm bytes).
 RawWaker = tuple[int, int, int, int, int, bytes]
 #: An aggregated row as the probe keeps it, stacks still ids:
 #: (tgid, tid, state, ustack, kstack, total_ns, count, max_ns, comm bytes, waker).
 RawRow = tuple[int, int, int, int, int, int, int, int, bytes, RawWaker]
+#: A row's sums as `Drained.sums` has them: (total_ns, max_ns, count, comm, waker ustack,
+#: waker kstack).
+RawSums = tuple[int, int, int, bytes, int, int]
+
+
+def agg_key(tgid: int, tid: int, state: int, ustack: int, kstack: int, waker_tgid: int,
+            waker_tid: int, waker_what: int) -> bytes:
+    """offcpu.c struct agg_key's bytes for these fields (as `Drained.keys` has them)."""
+    return _AGG_KEY.pack(tgid, tid, ustack, kstack, state, waker_tgid, waker_tid, waker_what)
+
+
+@dataclass(slots=True)
+class Drained:
+    """One generation's rows, read in bulk (`Probe.drain_aggregates`).
+
+    `keys[i]` is row i's struct agg_key as bytes (equal for equal keys, from
+    the hash or a thread's slot alike: a dict key that costs no decoding) and
+    `sums[i]` what summing it needs; `row(i)` decodes it whole, for a key seen
+    for the first time. On a busy server most rows are keys seen before, so
+    most are never decoded.
+    """
+
+    keys: list[bytes] = field(default_factory=list)
+    sums: list[RawSums] = field(default_factory=list)
+    _values: bytes = b""  # the hash's agg_vals, rows 0.._in_hash - 1
+    _in_hash: int = 0
+    _slots: list[tuple[Any, ...]] = field(default_factory=list)  # ACC_STRUCT tuples, the rest
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def row(self, i: int) -> RawRow:
+        """Row i: (tgid, tid, state, ustack, kstack, total_ns, count, max_ns, comm, waker)."""
+        if i < self._in_hash:
+            tgid, tid, us, ks, st, wtgid, wtid, what = _AGG_KEY.unpack(self.keys[i])
+            total, mx, count, comm, wcomm, wus, wks = _AGG_VAL.unpack_from(
+                self._values, i * _AGG_VAL.size)
+        else:
+            (_tag, tid, tgid, st, us, ks, total, mx, count, comm, wtgid, wtid, wus, wks, what,
+             _pad, wcomm) = self._slots[i - self._in_hash]
+        return tgid, tid, st, us, ks, total, count, mx, comm, (wtgid, wtid, wus, wks, what, wcomm)
 
 
 def offcpu_source() -> str:
@@ -270,7 +317,7 @@ class Probe:
 
     # --- reading ----------------------------------------------------------------
 
-    def drain_aggregates(self) -> Iterator[RawRow]:
+    def drain_aggregates(self) -> Drained:
         """Switch the program to the other generation, then read and clear the old one.
 
         Two maps and two sums per slot, picked by the parity of a counter
@@ -288,20 +335,20 @@ class Probe:
         if raw is None:  # no batch commands here: one entry at a time
             items = table.items(delete=True)
             raw = b"".join(k for k, _ in items), b"".join(v for _, v in items), len(items)
-        keys, values, _n = raw
-        for k, v in zip(_AGG_KEY.iter_unpack(keys), _AGG_VAL.iter_unpack(values), strict=True):
-            tgid, tid, us, ks, st, wtgid, wtid, what = k
-            total, mx, count, comm, wcomm, wus, wks = v
-            # Comms as the kernel wrote them, NUL-padded: decoded once per name
-            # (decode_comm), not split per row.
-            yield (tgid, tid, st, us, ks, total, count, mx, comm,
-                   (wtgid, wtid, wus, wks, what, wcomm))
+        keys, values, n = raw
+        size = _AGG_KEY.size
+        out = Drained([keys[at:at + size] for at in range(0, n * size, size)],
+                      list(_AGG_SUMS.iter_unpack(values)), values, n)
         assert self._acc_mm is not None and self._touched_mm is not None
-        for (_tag, tid, tgid, st, us, ks, total, mx, count, comm, wtgid, wtid, wus, wks, what,
-             _pad, wcomm) in generation_sums(self._acc_mm, self._touched_mm,
-                                             self.config.start_entries, old):
-            yield (tgid, tid, st, us, ks, total, count, mx, comm,
-                   (wtgid, wtid, wus, wks, what, wcomm))
+        out._slots = generation_sums(self._acc_mm, self._touched_mm, self.config.start_entries, old)
+        pack = _AGG_KEY.pack
+        out.keys += [pack(tgid, tid, us, ks, st, wtgid, wtid, what)
+                     for (_tag, tid, tgid, st, us, ks, _t, _m, _c, _comm, wtgid, wtid, _wus, _wks,
+                          what, _pad, _wcomm) in out._slots]
+        out.sums += [(total, mx, count, comm, wus, wks)
+                     for (_tag, _tid, _tgid, _st, _us, _ks, total, mx, count, comm, _wtgid, _wtid,
+                          wus, wks, _what, _pad, _wcomm) in out._slots]
+        return out
 
     def thread_records(self) -> list[tuple[int, StartRecord, int]]:
         """(tid, record, slot) of every thread the program has a record of.
