@@ -307,3 +307,39 @@ def test_limited_json_counts_the_stacks_it_left_out(workloads: Any) -> None:
     for d in snaps:
         assert len(d["stacks"]) == 2 and d["omitted"]["stacks"] > 0, d["omitted"]
         assert d["stacks"][0]["offcpu_ns"] >= d["stacks"][1]["offcpu_ns"]
+
+
+
+def test_a_thread_renamed_between_intervals_is_shown_by_its_new_name(workloads: Any) -> None:
+    """A thread sleeping in one place interval after interval: its rows are carried
+    from one interval to the next, not resolved again, and must still take the
+    name the thread has now, with the same frames."""
+    from offtop.bpf.engine import BpfSource, EngineConfig
+
+    w = workloads("sleep", "10")
+    src = BpfSource(EngineConfig(threshold_ns=50 * MS))
+    try:
+        src.start()
+        stop = threading.Event()
+        src.next_snapshot(1.0, stop)  # first, partial interval
+        before = [src.next_snapshot(1.0, stop) for _ in range(2)]
+        os.kill(w.pid, signal.SIGUSR1)  # the workload renames its sleeping thread
+        src.next_snapshot(1.0, stop)  # the rename falls in this one
+        carried = src.carried
+        after = [src.next_snapshot(1.0, stop) for _ in range(2)]
+        assert src.carried > carried  # rows were carried, not resolved again
+    finally:
+        src.close()
+
+    def rows(snap: Any) -> tuple[Any, list[Any]]:
+        task = next(t for t in snap.tasks if t.tid == w.tid)
+        return task, [s for s in snap.stacks if s.tid == w.tid]
+
+    for snap, comm in ([(s, "offtop_workload") for s in before]
+                       + [(s, "offtop-renamed") for s in after]):
+        task, stacks = rows(snap)
+        assert task.comm == comm and task.count >= 30, (snap.seq, task)
+        assert stacks and {s.comm for s in stacks} == {comm}, (snap.seq, stacks)
+    top = [max(rows(s)[1], key=lambda r: r.offcpu_ns) for s in (*before, *after)]
+    assert all((r.kernel, r.user) == (top[0].kernel, top[0].user) for r in top), top
+    assert top[0].user[0].name == "offtop_wl_sleep", top[0].user

@@ -176,6 +176,8 @@ class BpfSource:
         # block's with a byte more), or (tgid, tid, state, UNRESOLVED_ID).
         self._known: dict[bytes | tuple[int, ...], _Row] = {}
         self._known_generation = 0
+        #: Rows carried into an interval without being resolved again (cumulative).
+        self.carried = 0
         self._last_tick = 0.0
         self._last_subtick = 0.0
         self._next_subtick = 0.0
@@ -415,6 +417,7 @@ class BpfSource:
                             self._new_waker(row, drained.row(i)[9])
                         row.seq, row.total, row.count, row.max_ns, row.comm = \
                             seq, total, count, mx, comm
+                        self.carried += 1
                         continue
                 r = drained.row(i)
                 if accepts(r[0], r[1]):

@@ -71,10 +71,13 @@ class BlockedNowTable(LineTable[int]):
     paused: var[bool] = var(False, init=False)
     """The display is frozen: waits are not read."""
 
-    #: How often waits are read from the source (seconds). Each read that
-    #: changes a wait shown redraws the screen, and a redraw is most of what
-    #: the TUI costs on a quiet machine: twice a second keeps waits live.
-    READ_EVERY_S: ClassVar[float] = 0.5
+    #: How old the waits shown may grow (seconds) before they are read from the
+    #: source between snapshots. Each read that changes a wait shown redraws
+    #: the screen, and a redraw is most of what the TUI costs on a quiet
+    #: machine: at the default 1 s interval the snapshots' own waits are never
+    #: older than this, so waits are read only at longer intervals (or when
+    #: snapshots are late), as often as the numbers beside them change.
+    READ_EVERY_S: ClassVar[float] = 1.0
 
     class Chosen(Message):
         """Enter on a blocked task."""
@@ -92,22 +95,23 @@ class BlockedNowTable(LineTable[int]):
         self._blocked: dict[int, BlockedNow] = {}
         self._waits: dict[int, int] = {}
         self._woke: set[int] = set()
-        self._indexed_at = 0.0  # time.monotonic() of the last snapshot shown
+        self._indexed_at = 0.0  # time.monotonic() of the waits shown (a snapshot or a read)
 
     def on_mount(self) -> None:
         self.set_columns([Column("wait", "WAIT", 7), Column("s", "S", 1),
                           Column("where", "TASK / WHERE", 16, flex=True)])
         self._sync()
         if self.waits is not None:
-            self.set_interval(self.READ_EVERY_S, self.read_waits)
+            self.set_interval(self.READ_EVERY_S / 2, self.read_waits)
 
     def read_waits(self) -> None:
-        """Read the shown threads' waits from the source, now (not within half a
-        read's period of a snapshot: its waits are as fresh, and a redraw saved
-        is most of a quiet machine's cost)."""
-        if time.monotonic() - self._indexed_at < self.READ_EVERY_S / 2:
+        """Read the shown threads' waits from the source, if those shown are
+        READ_EVERY_S old (from a snapshot or a read)."""
+        now = time.monotonic()
+        if now - self._indexed_at < self.READ_EVERY_S:
             return
         if self.waits is not None and self._blocked and not self.paused:
+            self._indexed_at = now
             self.refresh_waits(self.waits.blocked_waits(self.tids))
 
     def watch_index(self, index: SnapshotIndex) -> None:

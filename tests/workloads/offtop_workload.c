@@ -6,7 +6,8 @@
  * -fno-omit-frame-pointer.
  *
  * Usage: offtop_workload MODE [MS]
- *   sleep MS [K] a thread sleeps MS ms in a loop (K times, then exits) (state S)
+ *   sleep MS [K] a thread sleeps MS ms in a loop (K times, then exits) (state S);
+ *              SIGUSR1 has it rename itself offtop-renamed
  *   vfork MS   vfork; the child sleeps MS ms, exits; loop  (parent in D)
  *   pipe MS    a thread reads a pipe fed every MS ms       (state S)
  *   futex MS   a thread waits on a futex woken every MS ms (state S)
@@ -27,6 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <linux/futex.h>
@@ -73,12 +75,25 @@ __attribute__((noinline)) void offtop_wl_sleep(long ns)
     (void)ret;
 }
 
+static volatile sig_atomic_t rename_asked;
+
+static void ask_rename(int sig)
+{
+    (void)sig;
+    rename_asked = 1;
+}
+
 static void *sleep_thread(void *arg)
 {
     (void)arg;
     announce();
-    for (long i = 0; iterations < 0 || i < iterations; i++)
+    for (long i = 0; iterations < 0 || i < iterations; i++) {
+        if (rename_asked == 1) {
+            prctl(PR_SET_NAME, "offtop-renamed", 0, 0, 0);
+            rename_asked = 2;
+        }
         offtop_wl_sleep(ms_arg * 1000000L);
+    }
     return NULL;
 }
 
@@ -324,6 +339,7 @@ int main(int argc, char **argv)
         iterations = atol(argv[3]);
     pthread_t t;
     if (!strcmp(mode, "sleep")) {
+        signal(SIGUSR1, ask_rename);
         pthread_create(&t, NULL, sleep_thread, NULL);
         pthread_join(t, NULL);
     } else if (!strcmp(mode, "vfork")) {
