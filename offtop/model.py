@@ -1079,7 +1079,7 @@ class SinceStart:
     #: Snapshots queued at most before `add` folds them itself.
     MAX_PENDING = 4
 
-    def __init__(self, max_entries: int = 50_000) -> None:
+    def __init__(self, max_entries: int = 25_000) -> None:
         self._max = max_entries
         self._lock = threading.Lock()
         self._totals: dict[tuple[int, int, int, str, bool], _Running] = {}

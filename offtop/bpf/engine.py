@@ -602,7 +602,7 @@ class BpfSource:
             python_failures=dict(python.failures) if python is not None else {},
         )
         stacks.reclaim(live)
-        if usyms is not None and self._seq % 10 == 0:
+        if usyms is not None and self._seq % 5 == 0:
             usyms.evict()
         stacks.trim()
         return self.aggregator.build_raw(
