@@ -1079,7 +1079,7 @@ class SinceStart:
     #: Snapshots queued at most before `add` folds them itself.
     MAX_PENDING = 4
 
-    def __init__(self, max_entries: int = 25_000) -> None:
+    def __init__(self, max_entries: int = 20_000) -> None:
         self._max = max_entries
         self._lock = threading.Lock()
         self._totals: dict[tuple[int, int, int, str, bool], _Running] = {}
@@ -1122,13 +1122,16 @@ class SinceStart:
                 key = (id(s.kernel), id(s.user), s.tid, s.state, s.before_start)
                 cur = get(key)
                 if cur is None:
-                    totals[key] = _Running(s.offcpu_ns, s.count, s.max_ns, s)
+                    # Its wakers are not summed here: not held either.
+                    totals[key] = _Running(s.offcpu_ns, s.count, s.max_ns,
+                                           dataclasses.replace(s, wakers=()) if s.wakers else s)
                 else:
                     cur.ns += s.offcpu_ns
                     cur.count += s.count
                     if s.max_ns > cur.max_ns:
                         cur.max_ns = s.max_ns
-                    cur.row = s
+                    if s.comm != cur.row.comm:  # all else in the row is its key's
+                        cur.row = dataclasses.replace(s, wakers=())
             if len(totals) > self._max:
                 self._shed()
                 totals = self._totals

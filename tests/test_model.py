@@ -3,6 +3,8 @@ views the TUI derives (row keys, the snapshot index, idle waits, merging, since 
 
 from __future__ import annotations
 
+import dataclasses
+
 from offtop.model import (
     Aggregator,
     ChainCatalog,
@@ -239,6 +241,24 @@ def test_since_start_sums_every_snapshot_and_stays_bounded() -> None:
     kept = small.ranked()
     assert [r.tid for r in kept] == [5, 4, 3]
     assert small.dropped_ns == 1 + 2
+
+
+def test_since_start_takes_a_renamed_threads_new_name_and_holds_no_wakers() -> None:
+    """The totals keep a row per stack for its names and frames; the wakers of the
+    latest snapshot are not summed there, so not held (a busy server's since-start
+    totals are most of the TUI's memory)."""
+    from offtop.model import Waker
+
+    agg, since = Aggregator(), SinceStart()
+    timer = Waker(0, 0, "", "timer")
+    for comm in ("before", "before", "after"):
+        since.add(SnapshotIndex(build(agg, [dataclasses.replace(s(11, 100, comm=comm),
+                                                                 waker=timer)])))
+    assert build(agg, [dataclasses.replace(s(11, 1), waker=timer)]).stacks[0].wakers
+    since.fold()
+    [row] = since.ranked()
+    assert (row.comm, row.offcpu_ns, row.count) == ("after", 300, 3)
+    assert all(not cur.row.wakers for cur in since._totals.values())
 
 
 def test_a_stack_cap_keeps_the_top_rows_and_counts_the_rest() -> None:

@@ -65,7 +65,7 @@ class StackStore:
     #: Frames that did not all resolve are looked at again after this many intervals.
     RETRY_INTERVALS = 5
     #: Every this many intervals, the user frames of processes that are gone are dropped.
-    SWEEP_INTERVALS = 10
+    SWEEP_INTERVALS = 5
 
     def __init__(
         self,
