@@ -820,6 +820,10 @@ class ChainInfo:
     """`blocked_in`."""
 
 
+#: A chain's facts with the frame tuples they were worked out for (held: see ChainCatalog).
+_ChainEntry = tuple[tuple[Frame, ...], tuple[Frame, ...], ChainInfo]
+
+
 class ChainCatalog:
     """Facts about callchains, each worked out once per distinct chain.
 
@@ -827,33 +831,56 @@ class ChainCatalog:
     after interval, so facts are kept by the tuples' identity (the tuples are
     held too, so an identity is never reused while kept); a chain seen in new
     tuples (a replay, a re-symbolized stack) is found again by its names.
-    Bounded: past `max_entries` chains everything is forgotten at once, and
-    numbering goes on (a number is never given to two chains). Safe to share
-    between the worker thread and the event loop (one dict operation at a time).
+    Kept by generation: what was not asked for since the last
+    `next_generation()` is forgotten at the next one (with process churn, the
+    chains of the processes gone would pile up: ~130 a second on a busy
+    server, ~400 bytes each). Bounded too: past `max_entries` chains
+    everything is forgotten at once. A chain asked for in either of the last
+    two generations keeps its number, and a number is never given to two
+    chains. Safe to share between the worker thread and the event loop (one
+    dict operation at a time; an entry written into a generation just
+    retired is found there, and moved, at its next use).
     """
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self._max = max_entries
-        self._by_id: dict[tuple[int, int], tuple[tuple[Frame, ...], tuple[Frame, ...],
-                                                 ChainInfo]] = {}
+        self._by_id: dict[tuple[int, int], _ChainEntry] = {}
+        self._old_by_id: dict[tuple[int, int], _ChainEntry] = {}
         self._by_names: dict[tuple[tuple[str, ...], tuple[str, ...]], ChainInfo] = {}
+        self._old_by_names: dict[tuple[tuple[str, ...], tuple[str, ...]], ChainInfo] = {}
         self._texts: dict[int, str] = {}
         self._next = 0
 
+    def __len__(self) -> int:
+        """Chains kept, by identity (both generations)."""
+        return len(self._by_id) + len(self._old_by_id)
+
+    def next_generation(self) -> None:
+        """Chains not asked for since the last call are forgotten (see the class)."""
+        self._old_by_id, self._by_id = self._by_id, {}
+        self._old_by_names, self._by_names = self._by_names, {}
+        self._texts = {}
+
     def info(self, kernel: tuple[Frame, ...], user: tuple[Frame, ...]) -> ChainInfo:
         """The facts of one chain."""
-        hit = self._by_id.get((id(kernel), id(user)))
+        key = (id(kernel), id(user))
+        hit = self._by_id.get(key)
         if hit is not None and hit[0] is kernel and hit[1] is user:
+            return hit[2]
+        hit = self._old_by_id.pop(key, None)
+        if hit is not None and hit[0] is kernel and hit[1] is user:
+            self._by_id[key] = hit
             return hit[2]
         if len(self._by_id) >= self._max:
             self._by_id, self._by_names, self._texts = {}, {}, {}
+            self._old_by_id, self._old_by_names = {}, {}
         names = (tuple([f.name for f in kernel]), tuple([f.name for f in user]))
-        info = self._by_names.get(names)
+        info = self._by_names.get(names) or self._old_by_names.pop(names, None)
         if info is None:
             self._next += 1
-            info = self._by_names[names] = ChainInfo(
-                self._next, is_idle_wait(kernel, user), blocked_in(kernel, user))
-        self._by_id[(id(kernel), id(user))] = (kernel, user, info)
+            info = ChainInfo(self._next, is_idle_wait(kernel, user), blocked_in(kernel, user))
+        self._by_names[names] = info
+        self._by_id[key] = (kernel, user, info)
         return info
 
     def text(self, stack: StackRow) -> str:

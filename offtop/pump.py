@@ -22,6 +22,7 @@ import asyncio
 import signal
 import threading
 from collections.abc import Callable
+from typing import ClassVar
 
 from rich.text import Text
 from textual.app import App
@@ -73,12 +74,17 @@ class SnapshotPump:
     the thread at its next wait.
     """
 
+    #: Snapshots between two generations of the chain catalog: what no snapshot
+    #: (nor a since-start ranking) asked for over 10-20 snapshots is forgotten.
+    CATALOG_GENERATION: ClassVar[int] = 10
+
     def __init__(self, app: App[int], source: SnapshotSource, interval_s: float) -> None:
         self.app = app
         self.source = source
         self.interval_s = interval_s
         self.stopping = threading.Event()
         self.catalog = ChainCatalog()
+        self._published = 0
         self.since_start = SinceStart()
         self.arrivals = Arrivals(max_blocks=LongBlocksLog.MAX_LINES)
         #: The source's own number of the interval published last (replays only).
@@ -133,6 +139,9 @@ class SnapshotPump:
         snapshot is shown sums them first (`SinceStart.ranked`), even if
         `fold_since_start` has not run yet.
         """
+        self._published += 1
+        if self._published % self.CATALOG_GENERATION == 0:
+            self.catalog.next_generation()
         index = SnapshotIndex(snap, self.catalog)
         if restart:
             self.since_start.clear()

@@ -99,6 +99,10 @@ class KernelSymbols:
     as 120,000 bytes objects they held ~10 MB, all of offtop's life.
     """
 
+    #: Addresses whose frames are cached at most: interrupts wake tasks from
+    #: wherever they stop the kernel, so the addresses seen grow for long.
+    MAX_CACHED = 1 << 16
+
     def __init__(self, path: str = "/proc/kallsyms") -> None:
         with open(path, "rb") as f:
             data = f.read()
@@ -152,6 +156,8 @@ class KernelSymbols:
                 name = decode(rest.split(b"\t", 1)[0])
             else:
                 name = f"0x{addr:x}"
+            if len(self._cache) >= self.MAX_CACHED:
+                self._cache.clear()  # frames already handed out stay as they are
             f = self._cache[addr] = Frame(name=name, module="kernel", kernel=True)
         return f
 

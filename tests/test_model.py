@@ -189,6 +189,20 @@ def test_the_catalog_knows_a_chain_by_identity_and_by_name() -> None:
     assert small.info(kf("x"), ()).chain > first
 
 
+def test_the_catalog_forgets_chains_not_asked_for_over_two_generations() -> None:
+    cat = ChainCatalog()
+    user = uf("epoll_wait", "main")
+    a = cat.info(EPOLL, user)
+    cat.next_generation()
+    assert cat.info(EPOLL, user) is a and len(cat) == 1  # from the last one: kept on
+    cat.next_generation()
+    assert cat.info(tuple(EPOLL), tuple(user)) is a  # by its names, in new tuples
+    cat.next_generation()
+    cat.next_generation()
+    assert len(cat) == 0  # a process gone: nothing of it left
+    assert cat.info(EPOLL, user).chain > a.chain  # found afresh: never an old number
+
+
 def stack(tid: int, ns: int, kernel: tuple[Frame, ...] = SLEEP, *, pid: int = 10,
           comm: str = "wl", state: str = "S", count: int = 1) -> StackRow:
     return StackRow(pid=pid, tid=tid, comm=comm, state=state, offcpu_ns=ns, count=count,

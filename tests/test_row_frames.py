@@ -190,3 +190,17 @@ def test_a_kept_row_woken_by_another_is_given_that_waker(rig: Any) -> None:
     again = row(by_a)
     assert [f.name for f in again[3].user] == ["f401000@600", "f402000@600"]
     assert rig.rows.hits == 4 and rig.rows.misses == 1
+
+
+def test_wakers_not_asked_for_in_a_whole_interval_are_forgotten() -> None:
+    stacks = {3: (Frame("hrtimer_wakeup", kernel=True),
+                  Frame("asm_sysvec_apic_timer_interrupt", kernel=True))}
+    wakers = Wakers(lambda sid: stacks[sid], lambda pid, sid: ())
+    raw = (0, 0, -1, 3, 2 << 24, b"")  # an interrupt
+    a = wakers.waker(raw)
+    wakers.next_interval()
+    assert wakers.waker(raw) is a  # asked for again: kept on
+    wakers.next_interval()
+    wakers.next_interval()
+    assert len(wakers) == 0
+    assert wakers.waker(raw) == a

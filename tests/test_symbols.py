@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,6 +55,30 @@ def test_kallsyms_bisects_and_strips_tracer_frames(tmp_path: Path) -> None:
     frames = k.resolve_stack([0xFFFFFFFF81000110, 0xFFFFFFFF81000010, 0xFFFFFFFF81000210])
     assert [f.name for f in frames] == ["schedule", "do_nanosleep"]
     assert all(f.kernel for f in frames)
+
+
+def test_kallsyms_module_symbols_addresses_below_all_and_a_bounded_cache(tmp_path: Path,
+                                                                        monkeypatch: Any) -> None:
+    ks = tmp_path / "kallsyms"
+    ks.write_text(
+        "ffffffffc0000000 t nvme_irq\t[nvme]\n"
+        "ffffffff81000000 T schedule\n"
+        "ffffffff81000000 W schedule_alias\n"
+        "ffffffff81000200 t do_nanosleep\n"
+    )
+    k = KernelSymbols(str(ks))
+    assert k.resolve(0xFFFFFFFFC0000010).name == "nvme_irq"  # the module's name cut off
+    assert k.resolve(0xFFFFFFFF81000000).name == "schedule_alias"  # the last at that address
+    assert k.resolve(0xFFFFFFFF80000000).name == "0xffffffff80000000"  # below every symbol
+    assert k.resolve(1 << 70).name == f"0x{1 << 70:x}"  # wider than kallsyms' addresses
+    monkeypatch.setattr(KernelSymbols, "MAX_CACHED", 2)
+    k = KernelSymbols(str(ks))
+    first = k.resolve(0xFFFFFFFF81000010)
+    k.resolve(0xFFFFFFFF81000210)
+    k.resolve(0xFFFFFFFF81000220)  # the cache was full: emptied first
+    again = k.resolve(0xFFFFFFFF81000010)  # made again
+    assert again == first and again is not first
+    assert k.resolve(0xFFFFFFFF81000010) is again
 
 
 def test_tracer_frames_only_stripped_from_the_innermost_end() -> None:

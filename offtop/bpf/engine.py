@@ -555,6 +555,7 @@ class BpfSource:
         self._seq += 1
         stacks.next_interval(self._seq)
         self._rows.next_interval()
+        self._wakers.next_interval()
         assert self._blocked is not None
         blocked, live = self.frames.blocked_now(
             self._blocked, self.targets.accepts, symbol_budget_s=self.config.symbol_budget_s,
