@@ -43,12 +43,18 @@ def store(maps: FakeStackMaps, capacity: int = 8) -> StackStore:
                       capacity={"k": capacity, "u": capacity}, kernel_depth=64, user_depth=64)
 
 
-def test_ids_unused_for_two_intervals_are_deleted_once_half_full() -> None:
-    maps = FakeStackMaps(range(4), range(0))
+def looked_up(kernel_ids: range, at: int = 1) -> tuple[FakeStackMaps, StackStore]:
+    """A store whose kernel stacks `kernel_ids` were looked up in interval `at`."""
+    maps = FakeStackMaps(kernel_ids, range(0))
     s = store(maps)
-    s.next_interval(1)
-    for sid in range(4):
+    s.next_interval(at)
+    for sid in kernel_ids:
         s.kernel(sid)
+    return maps, s
+
+
+def test_ids_unused_for_two_intervals_are_deleted_once_half_full() -> None:
+    maps, s = looked_up(range(4))
     s.next_interval(4)
     s.touch_all([0], [])  # used now
     s.reclaim(live={("k", 1)})  # held by a task blocked now
@@ -58,22 +64,14 @@ def test_ids_unused_for_two_intervals_are_deleted_once_half_full() -> None:
 
 
 def test_nothing_is_deleted_below_half_full() -> None:
-    maps = FakeStackMaps(range(3), range(0))
-    s = store(maps)
-    s.next_interval(1)
-    for sid in range(3):
-        s.kernel(sid)
+    maps, s = looked_up(range(3))
     s.next_interval(9)
     s.reclaim(live=set())
     assert maps.deleted == [] and s.generation == 0 and s.used == 3
 
 
 def test_bulk_stamps_skip_negative_ids_and_keep_what_they_name() -> None:
-    maps = FakeStackMaps(range(4), range(0))
-    s = store(maps)
-    s.next_interval(1)
-    for sid in range(4):
-        s.kernel(sid)
+    maps, s = looked_up(range(4))
     s.next_interval(5)
     # Errnos (-14: no user stack) and offtop's own "not resolved" mark name no stack.
     s.touch_all([2, 3, -14, -(1 << 40)], [-14, -12])
