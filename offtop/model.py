@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from offtop.recent import Recent
+
 #: Task states offtop reports, as the sched_switch tracepoint normalizes them.
 STATE_NAMES: Mapping[str, str] = {
     "S": "sleeping (interruptible)",
@@ -844,21 +846,20 @@ class ChainCatalog:
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self._max = max_entries
-        self._by_id: dict[tuple[int, int], _ChainEntry] = {}
-        self._old_by_id: dict[tuple[int, int], _ChainEntry] = {}
-        self._by_names: dict[tuple[tuple[str, ...], tuple[str, ...]], ChainInfo] = {}
-        self._old_by_names: dict[tuple[tuple[str, ...], tuple[str, ...]], ChainInfo] = {}
+        self._by_id: Recent[tuple[int, int], _ChainEntry] = Recent(max_entries)
+        self._by_names: Recent[tuple[tuple[str, ...], tuple[str, ...]], ChainInfo] = \
+            Recent(max_entries)
         self._texts: dict[int, str] = {}
         self._next = 0
 
     def __len__(self) -> int:
         """Chains kept, by identity (both generations)."""
-        return len(self._by_id) + len(self._old_by_id)
+        return len(self._by_id)
 
     def next_generation(self) -> None:
         """Chains not asked for since the last call are forgotten (see the class)."""
-        self._old_by_id, self._by_id = self._by_id, {}
-        self._old_by_names, self._by_names = self._by_names, {}
+        self._by_id.rotate()
+        self._by_names.rotate()
         self._texts = {}
 
     def info(self, kernel: tuple[Frame, ...], user: tuple[Frame, ...]) -> ChainInfo:
@@ -867,20 +868,17 @@ class ChainCatalog:
         hit = self._by_id.get(key)
         if hit is not None and hit[0] is kernel and hit[1] is user:
             return hit[2]
-        hit = self._old_by_id.pop(key, None)
-        if hit is not None and hit[0] is kernel and hit[1] is user:
-            self._by_id[key] = hit
-            return hit[2]
         if len(self._by_id) >= self._max:
-            self._by_id, self._by_names, self._texts = {}, {}, {}
-            self._old_by_id, self._old_by_names = {}, {}
+            self._by_id.clear()
+            self._by_names.clear()
+            self._texts = {}
         names = (tuple([f.name for f in kernel]), tuple([f.name for f in user]))
-        info = self._by_names.get(names) or self._old_by_names.pop(names, None)
+        info = self._by_names.get(names)
         if info is None:
             self._next += 1
             info = ChainInfo(self._next, is_idle_wait(kernel, user), blocked_in(kernel, user))
-        self._by_names[names] = info
-        self._by_id[key] = (kernel, user, info)
+            self._by_names.put(names, info)
+        self._by_id.put(key, (kernel, user, info))
         return info
 
     def text(self, stack: StackRow) -> str:

@@ -27,53 +27,15 @@ with process churn, the rows of processes gone would pile up.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Generic, TypeVar
-
 from offtop.bpf.block_frames import BlockFrames
 from offtop.bpf.decode import ST_BEFORE_START, WAKER_KINDS
 from offtop.bpf.wakers import RawWaker, Wakers
 from offtop.model import Frame, Waker
+from offtop.recent import Recent
 
 #: (kernel frames, user frames, began before offtop, waker, process start time, final:
 #: whether all of it is kept, so that it holds while the process does)
 Resolved = tuple[tuple[Frame, ...], tuple[Frame, ...], bool, Waker | None, int, bool]
-
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
-
-
-class _Recent(Generic[K, V]):
-    """A bounded map whose entries nobody asked for in a whole interval are dropped:
-    `rotate()` once an interval; what is found is kept on for the next."""
-
-    def __init__(self, max_kept: int) -> None:
-        self._max = max_kept
-        self._now: dict[K, V] = {}
-        self._before: dict[K, V] = {}  # kept before the last rotate, not asked for since
-
-    def __len__(self) -> int:
-        return len(self._now) + len(self._before)
-
-    def get(self, key: K) -> V | None:
-        """The value kept for `key` (kept on), None if none."""
-        value = self._now.get(key)
-        if value is None:
-            value = self._before.pop(key, None)
-            if value is not None:
-                self._now[key] = value
-        return value
-
-    def put(self, key: K, value: V) -> None:
-        if len(self._now) >= self._max:
-            self._now.clear()
-        self._now[key] = value
-
-    def rotate(self) -> None:
-        self._before, self._now = self._now, {}
-
-    def clear(self) -> None:
-        self._now, self._before = {}, {}
 
 
 class RowFrames:
@@ -82,9 +44,9 @@ class RowFrames:
     def __init__(self, frames: BlockFrames, wakers: Wakers, *, max_kept: int = 100_000) -> None:
         self._frames = frames
         self._wakers = wakers
-        self._kept: _Recent[tuple[int, ...],
-                            tuple[tuple[Frame, ...], tuple[Frame, ...], bool]] = _Recent(max_kept)
-        self._wakers_kept: _Recent[tuple[int | bytes, ...], Waker | None] = _Recent(max_kept)
+        self._kept: Recent[tuple[int, ...],
+                            tuple[tuple[Frame, ...], tuple[Frame, ...], bool]] = Recent(max_kept)
+        self._wakers_kept: Recent[tuple[int | bytes, ...], Waker | None] = Recent(max_kept)
         self._generation = -1
         self.hits = 0  #: rows resolved from what was kept (cumulative)
         self.misses = 0  #: rows resolved afresh (cumulative)

@@ -12,6 +12,7 @@ from typing import Any
 
 from offtop.bpf.decode import WAKER_KINDS, decode_comm
 from offtop.model import Frame, Waker
+from offtop.recent import Recent
 
 #: A raw waker as the probe keeps it: (tgid, tid, ustack id, kstack id, what, comm bytes).
 RawWaker = tuple[int, int, int, int, int, bytes]
@@ -69,18 +70,17 @@ class Wakers:
         # same tuples for the same stack: hashing their frames at every row
         # was most of this); the value holds them, so an id is never reused
         # while it is a key.
-        self._cache: dict[tuple[Any, ...], tuple[Waker, tuple[Frame, ...], tuple[Frame, ...]]] = {}
-        # The generation before (see next_interval): found there, moved back.
-        self._old: dict[tuple[Any, ...], tuple[Waker, tuple[Frame, ...], tuple[Frame, ...]]] = {}
+        self._cache: Recent[tuple[Any, ...], tuple[Waker, tuple[Frame, ...], tuple[Frame, ...]]] = \
+            Recent(max_kept)
 
     def __len__(self) -> int:
-        return len(self._cache) + len(self._old)
+        return len(self._cache)
 
     def next_interval(self) -> None:
         """Wakers not asked for since the last call are forgotten at the next: those
         of processes gone, and interrupts' stacks through code they no longer stop,
         would pile up (~120 a second on a busy server)."""
-        self._old, self._cache = self._cache, {}
+        self._cache.rotate()
 
     def waker(self, raw: RawWaker) -> Waker | None:
         """The model's waker of a raw one (None: the probe saw none)."""
@@ -94,16 +94,12 @@ class Wakers:
         hit = self._cache.get(key)
         if hit is not None and hit[1] is kernel and hit[2] is user:
             return hit[0]
-        hit = self._old.pop(key, None)
-        if hit is not None and hit[1] is kernel and hit[2] is user:
-            self._cache[key] = hit
-            return hit[0]
         if kind != "task":
             kind, work = interrupt_kind(kernel)
             w = Waker(0, 0, work, kind, interrupt_path(kernel))
         else:
             w = Waker(tgid, tid, decode_comm(comm), kind, kernel, user)
         if len(self._cache) >= self._max:
-            self._cache, self._old = {}, {}
-        self._cache[key] = (w, kernel, user)
+            self._cache.clear()
+        self._cache.put(key, (w, kernel, user))
         return w

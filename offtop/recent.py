@@ -1,0 +1,52 @@
+"""A bounded map that keeps what was asked for lately: two generations.
+
+`rotate()` starts a new generation; what nobody asked for (`get`) or put
+since the rotation before is dropped at the next one, and what is found in
+the older generation is moved back into the newer. With process churn,
+caches keyed by what a process brought (its stacks, its wakers, its chains)
+would otherwise fill up with the processes gone. Every call is one or two
+dict operations and a rotation swaps two attributes, so threads may share
+one under the GIL: an entry put into a generation just retired is found
+there, and moved back, at its next use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class Recent(Generic[K, V]):
+    """See the module docstring; past `max_kept` entries in the newer generation, it
+    is emptied (the older stays until the next rotation)."""
+
+    def __init__(self, max_kept: int) -> None:
+        self._max = max_kept
+        self._now: dict[K, V] = {}
+        self._before: dict[K, V] = {}  # kept before the last rotate, not asked for since
+
+    def __len__(self) -> int:
+        return len(self._now) + len(self._before)
+
+    def get(self, key: K) -> V | None:
+        """The value kept for `key` (kept on), None if none."""
+        value = self._now.get(key)
+        if value is None:
+            value = self._before.pop(key, None)
+            if value is not None:
+                self._now[key] = value
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        if len(self._now) >= self._max:
+            self._now.clear()
+        self._now[key] = value
+
+    def rotate(self) -> None:
+        self._before, self._now = self._now, {}
+
+    def clear(self) -> None:
+        self._now, self._before = {}, {}
