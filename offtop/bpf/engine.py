@@ -33,7 +33,7 @@ from offtop.bpf.config import EngineConfig, EngineError
 from offtop.bpf.decode import EVENT_STRUCT, ST_BEFORE_START, STATE_BITS, decode_comm, state_name
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.perf_ring import PerfRing
-from offtop.bpf.probe import Probe, RawRow, agg_key
+from offtop.bpf.probe import Probe, RawRow, RawSums, agg_key
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import PythonFrames
 from offtop.bpf.row_frames import RowFrames
@@ -382,64 +382,25 @@ class BpfSource:
         if self.frames.python is not None:
             self.frames.python.sample(self._blocked_record)
         iv = self._interval
-        rows = self._known
         stacks = self.frames.stacks
         assert stacks is not None
         if stacks.generation != self._known_generation:
             # Ids were deleted (and may be handed out again): nothing is carried.
             self._known_generation = stacks.generation
-            for kept in rows.values():
+            for kept in self._known.values():
                 kept.final = False
         seq = self._seq + 1  # the interval being summed
-        accepts = self.targets.accepts
         drained = self.probe.drain_aggregates()
-        keys, sums = drained.keys, drained.sums
-        for lo in range(0, len(keys), _STOP_CHECK_ROWS):
-            # Asked once a chunk, not per row: once a stop came and its time to
-            # resolve is over, the rest of the sub-tick's rows collapse at once.
-            stopping = self.frames.gave_up()
-            hi = lo + _STOP_CHECK_ROWS
-            for i, raw_key, (total, mx, count, comm, wus, wks) in zip(
-                    range(lo, hi), keys[lo:hi], sums[lo:hi], strict=False):
-                key: bytes | tuple[int, ...] = raw_key
-                if stopping:  # a row per thread and state, its stacks not resolved
-                    key = (*drained.row(i)[:3], UNRESOLVED_ID)
-                row = rows.get(key)
-                if row is not None:
-                    if row.seq == seq:
-                        row.total += total
-                        row.count += count
-                        if mx > row.max_ns:
-                            row.max_ns = mx
-                        continue
-                    if row.final and self._carries(row):
-                        if wus != row.wus or wks != row.wks:
-                            self._new_waker(row, drained.row(i)[9])
-                        row.seq, row.total, row.count, row.max_ns, row.comm = \
-                            seq, total, count, mx, comm
-                        self.carried += 1
-                        continue
-                r = drained.row(i)
-                if accepts(r[0], r[1]):
-                    rows[key] = self._new_row(r, False, stopping, deadline, seq)
+        self._sum_rows(drained.keys, drained.sums, drained.row, False, deadline, seq)
         if self._event_acc:
+            keys, sums, raws = [], [], []
             for ekey, (tot, cnt, mx, comm, wcomm, wus, wks) in self._event_acc.items():
                 tgid, tid, st, us, ks, wt, wtid, what = ekey
-                key = agg_key(tgid, tid, st, us, ks, wt, wtid, what) + b"\x01"  # apart
-                waker = (wt, wtid, wus, wks, what, wcomm)
-                erow = rows.get(key)
-                if erow is not None and erow.seq == seq:
-                    erow.total += tot
-                    erow.count += cnt
-                    if mx > erow.max_ns:
-                        erow.max_ns = mx
-                elif erow is not None and erow.final and self._carries(erow):
-                    if wus != erow.wus or wks != erow.wks:
-                        self._new_waker(erow, waker)
-                    erow.seq, erow.total, erow.count, erow.max_ns, erow.comm = seq, tot, cnt, mx, comm
-                else:  # accepted: _read_ring kept only those
-                    rows[key] = self._new_row((tgid, tid, st, us, ks, tot, cnt, mx, comm, waker),
-                                              True, False, deadline, seq)
+                keys.append(agg_key(tgid, tid, st, us, ks, wt, wtid, what) + b"\x01")  # apart
+                sums.append((tot, mx, cnt, comm, wus, wks))
+                raws.append((tgid, tid, st, us, ks, tot, cnt, mx, comm,
+                             (wt, wtid, wus, wks, what, wcomm)))
+            self._sum_rows(keys, sums, raws.__getitem__, True, deadline, seq)
             self._event_acc = {}
         if self._event_tail:
             wall = self._mono_to_wall
@@ -458,6 +419,44 @@ class BpfSource:
                     waker=self._wakers.waker((wt, wtid, wus, wks, what, wcomm)),
                 ))
             self._event_tail.clear()
+
+    def _sum_rows(self, keys: list[bytes], sums: list[RawSums], row_of: Callable[[int], RawRow],
+                  event: bool, deadline: float, seq: int) -> None:
+        """Sum rows into interval `seq`'s (`_known`): row i has key `keys[i]`, sums
+        `sums[i]` and, decoded whole, `row_of(i)` (asked only for a key not summed
+        this interval). A key summed before this interval is carried (see _Row),
+        else resolved. `event`: long blocks' rows, never collapsed at a stop and
+        already checked against the targets (`_read_ring`)."""
+        rows = self._known
+        accepts = self.targets.accepts
+        for lo in range(0, len(keys), _STOP_CHECK_ROWS):
+            # Asked once a chunk, not per row: once a stop came and its time to
+            # resolve is over, the rest of the sub-tick's rows collapse at once.
+            stopping = not event and self.frames.gave_up()
+            hi = lo + _STOP_CHECK_ROWS
+            for i, raw_key, (total, mx, count, comm, wus, wks) in zip(
+                    range(lo, hi), keys[lo:hi], sums[lo:hi], strict=False):
+                key: bytes | tuple[int, ...] = raw_key
+                if stopping:  # a row per thread and state, its stacks not resolved
+                    key = (*row_of(i)[:3], UNRESOLVED_ID)
+                row = rows.get(key)
+                if row is not None:
+                    if row.seq == seq:
+                        row.total += total
+                        row.count += count
+                        if mx > row.max_ns:
+                            row.max_ns = mx
+                        continue
+                    if row.final and self._carries(row):
+                        if wus != row.wus or wks != row.wks:
+                            self._new_waker(row, row_of(i)[9])
+                        row.seq, row.total, row.count, row.max_ns, row.comm = \
+                            seq, total, count, mx, comm
+                        self.carried += 1
+                        continue
+                r = row_of(i)
+                if event or accepts(r[0], r[1]):
+                    rows[key] = self._new_row(r, event, stopping, deadline, seq)
 
     def _control_flood(self, now: float) -> None:
         seconds = now - self._last_subtick

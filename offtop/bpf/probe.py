@@ -98,9 +98,6 @@ class Drained:
     _in_hash: int = 0
     _slots: list[tuple[Any, ...]] = field(default_factory=list)  # ACC_STRUCT tuples, the rest
 
-    def __len__(self) -> int:
-        return len(self.keys)
-
     def row(self, i: int) -> RawRow:
         """Row i: (tgid, tid, state, ustack, kstack, total_ns, count, max_ns, comm, waker)."""
         if i < self._in_hash:
