@@ -117,34 +117,23 @@ class KernelSymbols:
         if mine and mine[0].startswith(zero):
             # kptr_restrict hides addresses (all zero) from unprivileged readers.
             mine = [line for line in mine if not line.startswith(zero)]
-        self._count = len(mine)
         # Built a slice of lines at a time: a list of every piece at once
         # would double start-up's peak.
-        addrs, rests, ends, end = [], [], array("Q"), 0
+        addrs, rests = [], []
         for lo in range(0, len(mine), 8192):
             part = mine[lo:lo + 8192]
             addrs.append(b"".join([line[:w] for line in part]))
-            pieces = [line[w + 3:] for line in part]
-            rests.append(b"".join(pieces))
-            sums = list(accumulate(map(len, pieces), initial=end))
-            ends.extend(sums[1:])
-            end = sums[-1]
-        self._addrs, self._rests, self._ends = b"".join(addrs), b"".join(rests), ends
+            rests.append(b"".join([line[w + 3:] for line in part]))
+        self._addrs, self._rests = b"".join(addrs), b"".join(rests)
+        self._ends = array("Q", accumulate(len(line) - w - 3 for line in mine))
         self._cache: dict[int, Frame] = {}
-        self.available = self._count > 0
+        self.available = bool(self._ends)
 
     def _index(self, addr: int) -> int:
         """The index of the last symbol at or below `addr` (-1: none)."""
         w, addrs = self._width, self._addrs
-        key = b"%0*x" % (w, addr)
-        lo, hi = 0, self._count
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if addrs[mid * w:(mid + 1) * w] <= key:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo - 1
+        return bisect.bisect_right(range(len(self._ends)), b"%0*x" % (w, addr),
+                                   key=lambda i: addrs[i * w:(i + 1) * w]) - 1
 
     def resolve(self, addr: int) -> Frame:
         """The function containing `addr`, or the address itself."""
