@@ -88,7 +88,7 @@ class ProbeStats:
             return max(0, run_ns - prev_ns), max(0, runs - prev_runs)
         self._close_window(self._clock())
         result = self._result
-        if result is None or result[2] < self._window / 2:
+        if result is None or not self._whole(result):
             self.missed += 1
             if self._last is not None:
                 run_ns, runs, seconds = self._last
@@ -120,6 +120,11 @@ class ProbeStats:
         prev_ns, prev_runs = self._prev
         self._result = (max(0, run_ns - prev_ns), max(0, runs - prev_runs),
                         max(1e-9, now - self._on_at))
-        if self._result[2] >= self._window / 2:
+        if self._whole(self._result):
             self._last = self._result
         self.close()
+
+    def _whole(self, result: tuple[int, int, float]) -> bool:
+        """Whether a window's (run ns, runs, seconds) measured enough to be scaled
+        (at least half its length: not cut short)."""
+        return result[2] >= self._window / 2
