@@ -19,7 +19,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -92,11 +92,11 @@ class Drained:
     most are never decoded.
     """
 
-    keys: list[bytes] = field(default_factory=list)
-    sums: list[RawSums] = field(default_factory=list)
-    _values: bytes = b""  # the hash's agg_vals, rows 0.._in_hash - 1
-    _in_hash: int = 0
-    _slots: list[tuple[Any, ...]] = field(default_factory=list)  # ACC_STRUCT tuples, the rest
+    keys: list[bytes]
+    sums: list[RawSums]
+    _values: bytes  # the hash's agg_vals, rows 0.._in_hash - 1
+    _in_hash: int
+    _slots: list[tuple[Any, ...]]  # ACC_STRUCT tuples, the rest
 
     def row(self, i: int) -> RawRow:
         """Row i: (tgid, tid, state, ustack, kstack, total_ns, count, max_ns, comm, waker)."""
@@ -334,18 +334,19 @@ class Probe:
             raw = b"".join(k for k, _ in items), b"".join(v for _, v in items), len(items)
         keys, values, n = raw
         size = _AGG_KEY.size
-        out = Drained([keys[at:at + size] for at in range(0, n * size, size)],
-                      list(_AGG_SUMS.iter_unpack(values)), values, n)
         assert self._acc_mm is not None and self._touched_mm is not None
-        out._slots = generation_sums(self._acc_mm, self._touched_mm, self.config.start_entries, old)
+        slots = generation_sums(self._acc_mm, self._touched_mm, self.config.start_entries, old)
         pack = _AGG_KEY.pack
-        out.keys += [pack(tgid, tid, us, ks, st, wtgid, wtid, what)
-                     for (_tag, tid, tgid, st, us, ks, _t, _m, _c, _comm, wtgid, wtid, _wus, _wks,
-                          what, _pad, _wcomm) in out._slots]
-        out.sums += [(total, mx, count, comm, wus, wks)
-                     for (_tag, _tid, _tgid, _st, _us, _ks, total, mx, count, comm, _wtgid, _wtid,
-                          wus, wks, _what, _pad, _wcomm) in out._slots]
-        return out
+        return Drained(
+            [keys[at:at + size] for at in range(0, n * size, size)]
+            + [pack(tgid, tid, us, ks, st, wtgid, wtid, what)
+               for (_tag, tid, tgid, st, us, ks, _t, _m, _c, _comm, wtgid, wtid, _wus, _wks,
+                    what, _pad, _wcomm) in slots],
+            list(_AGG_SUMS.iter_unpack(values))
+            + [(total, mx, count, comm, wus, wks)
+               for (_tag, _tid, _tgid, _st, _us, _ks, total, mx, count, comm, _wtgid, _wtid,
+                    wus, wks, _what, _pad, _wcomm) in slots],
+            values, n, slots)
 
     def thread_records(self) -> list[tuple[int, StartRecord, int]]:
         """(tid, record, slot) of every thread the program has a record of.
