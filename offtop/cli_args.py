@@ -95,8 +95,11 @@ def build_parser() -> _Parser:
                         "(ns/us/ms/s; a bare number is ms; default 500ms; 0: every block)")
     p.add_argument("-c", "--cgroup", metavar="PATH",
                    help="only tasks in this cgroup v2 and its descendants")
-    p.add_argument("-p", "--pid", metavar="PIDS", help="only these processes (comma list)")
-    p.add_argument("-t", "--tid", metavar="TIDS", help="only these threads (comma list)")
+    # Repeatable: every -p counts (with "store", all but the last were dropped silently).
+    p.add_argument("-p", "--pid", metavar="PIDS", action="append",
+                   help="only these processes (comma list; may be repeated)")
+    p.add_argument("-t", "--tid", metavar="TIDS", action="append",
+                   help="only these threads (comma list; may be repeated)")
     p.add_argument("--states", default=DEFAULT_STATES, metavar="LETTERS",
                    help=f"task states to record (default {DEFAULT_STATES}; add R for "
                         "runqueue wait after preemption, T/t for stopped/traced)")
@@ -304,8 +307,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, float, int
     count = parse_count(args.count)
     states = parse_states(args.states, kernel_threads=args.kernel_threads)
     # `is not None`: an empty list (-p '') is an error, not "every process".
-    pids = parse_ids(args.pid, "pid") if args.pid is not None else ()
-    tids = parse_ids(args.tid, "tid") if args.tid is not None else ()
+    pids = parse_ids(",".join(args.pid), "pid") if args.pid is not None else ()
+    tids = parse_ids(",".join(args.tid), "tid") if args.tid is not None else ()
     # Given or not (then EngineConfig's default), never compared with a copy of it.
     waker_min: int | None = None
     if args.waker_stacks_min is not None:

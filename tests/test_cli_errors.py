@@ -119,6 +119,20 @@ def test_pid_that_does_not_exist_is_an_error() -> None:
     assert_one_line_error(r, "no such pid", str(pid))
 
 
+def test_repeated_pid_and_tid_options_all_count() -> None:
+    """`-p A -p B` watches both (argparse's default kept only the last, silently);
+    a bad id in any of them is the error it is alone."""
+    from offtop.cli_args import build_parser, config_from_args
+
+    me, parent = os.getpid(), os.getppid()
+    cfg = config_from_args(build_parser().parse_args(
+        ["--batch", "-p", str(me), "-p", str(parent), "-t", str(me), "--tid", str(me)]))[0]
+    assert (cfg.pids, cfg.tids) == ((me, parent), (me,))
+    pid = free_pid()
+    r = run_offtop("--batch", "--count", "1", "-p", str(me), "-p", str(pid))
+    assert_one_line_error(r, "no such pid", str(pid))
+
+
 @pytest.mark.parametrize("args", [["--format", "pprof"], ["--format", "speedscope"],
                                   ["-o", "x"], ["--limit", "5"]],
                          ids=["pprof", "speedscope", "output", "limit"])
