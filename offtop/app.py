@@ -301,43 +301,55 @@ class OfftopApp(App[int]):
         running = self.status == "running" and not self.paused and self.replay is None
         self.stalled_s = late if running and late > 3 * self.interval_s else 0.0
 
+    # A message from a child can arrive after the widgets are gone: at exit
+    # they go first, and a table may have posted just before (a busy
+    # server's refresh moving the cursor). Such a message is dropped.
+
     @on(TaskTable.TaskHighlighted)
     def _task_highlighted(self, event: TaskTable.TaskHighlighted) -> None:
-        self.query_one(StacksPane).select(event.key, moved=event.moved)
+        if pane := self.query_one_optional(StacksPane):
+            pane.select(event.key, moved=event.moved)
 
     @on(TaskTable.TaskChosen)
     def _task_chosen(self, event: TaskTable.TaskChosen) -> None:
-        self.query_one(StacksPane).open(Scope.task(event.key))
+        if pane := self.query_one_optional(StacksPane):
+            pane.open(Scope.task(event.key))
 
     @on(BlockedNowTable.Chosen)
     def _blocked_chosen(self, event: BlockedNowTable.Chosen) -> None:
         # Its stack, whether or not the task is in the table (a task blocked
         # since before offtop started has no off-CPU time counted yet).
-        self.query_one(StacksPane).open(Scope.of_block(event.blocked))
+        if pane := self.query_one_optional(StacksPane):
+            pane.open(Scope.of_block(event.blocked))
 
     @on(LongBlocksLog.Chosen)
     def _long_block_chosen(self, event: LongBlocksLog.Chosen) -> None:
-        self.query_one(StacksPane).open(Scope.of_block(event.block))
+        if pane := self.query_one_optional(StacksPane):
+            pane.open(Scope.of_block(event.block))
 
     @on(WakerTree.JumpTo)
     def _jump_to_waker(self, event: WakerTree.JumpTo) -> None:
         # Its row in the task table, and its callchains; a waker that spent no
         # time off the CPU (or is filtered out) has no row: said, not hidden.
+        table, pane = self.query_one_optional(TaskTable), self.query_one_optional(StacksPane)
+        if table is None or pane is None:
+            return
         key = RowKey.process(event.pid) if self.processes else RowKey.thread(event.tid)
-        if not self.query_one(TaskTable).move_to_key(key):
+        if not table.move_to_key(key):
             who = f"{printable(event.waker.comm)} {event.pid}/{event.tid}"
             self.notify(f"{who} is not in the task table (no off-CPU time shown)",
                         title="go to waker", markup=False)
             if not self.index.stacks_of(key):
                 return
-        self.query_one(StacksPane).open(Scope.task(key))
+        pane.open(Scope.task(key))
 
     @on(StacksPane.ViewChanged)
     def _view_changed(self, event: StacksPane.ViewChanged) -> None:
         # The short layout swaps the task table for the tree or flame graph
         # (see app.tcss). On the left column, which holds both: a class on
         # the screen would restyle every widget (~15 ms at each Enter and Esc).
-        self.query_one("#left").set_class(event.view != "stacks", "-drilled")
+        if left := self.query_one_optional("#left"):
+            left.set_class(event.view != "stacks", "-drilled")
 
     @on(ThresholdPane.Changed)
     def _threshold_asked(self, event: ThresholdPane.Changed) -> None:
@@ -360,7 +372,8 @@ class OfftopApp(App[int]):
 
     @on(FilterInput.Done)
     def _filter_done(self) -> None:
-        self.query_one(TaskTable).focus()
+        if table := self.query_one_optional(TaskTable):
+            table.focus()
 
     # --- actions ----------------------------------------------------------------------
 

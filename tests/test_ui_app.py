@@ -1181,3 +1181,27 @@ def test_python_frames_and_estimates_in_long_block_lines() -> None:
                       before_start=True)
     line = long_block_line(block).plain
     assert "~2.00s" in line and "k pipe_read ← u read ← py Queue.get (queue.py:171)" in line
+
+
+async def test_a_message_arriving_as_the_app_closes_is_dropped_not_a_traceback() -> None:
+    """At exit the widgets go first, and a message a child posted just before
+    (a busy server's refresh moving the cursor) still arrives: seen on a
+    headless run of the real engine under load, it ended the app with
+    NoMatches and a traceback."""
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        table = app.query_one(TaskTable)
+        key = table.cursor_key
+        assert key is not None
+        blocked = app.query_one(BlockedNowTable)
+        block = SNAPS[0].blocked_now[0]
+        await app.query_one(StacksPane).remove()
+        await app.query_one("#left").remove()
+        for message in (TaskTable.TaskHighlighted(table, key, moved=False),
+                        TaskTable.TaskChosen(table, key),
+                        BlockedNowTable.Chosen(blocked, block),
+                        StacksPane.ViewChanged("tree"), FilterInput.Done()):
+            app.post_message(message)
+        await pilot.pause()
+        assert app.is_running
