@@ -6,6 +6,8 @@
 - A program built -O2 -fomit-frame-pointer that blocks three calls deep: the
   three functions named, in order, in blocked-now and in the summed stacks.
 - 20,000 distinct user stacks: fewer than 1% of blocks without their user stack.
+- Process churn: the unwinding rules of processes gone go back to the budget,
+  so a new process without frame pointers is still unwound whole.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import pytest
 
 from offtop.model import MARK_TRUNCATED, MARK_USER_STACK_LOST, Snapshot
-from tests.conftest import ROOT, offtop_json
+from tests.conftest import ROOT, offtop_json, remove_cgroup
 
 MS = 1_000_000
 WORKLOADS = ROOT / "tests" / "workloads"
@@ -133,6 +135,60 @@ def test_no_frame_pointers_three_calls_deep_in_blocked_now_and_in_the_sums(
     total = sum(st["offcpu_ns"] for st in late)
     named = sum(st["offcpu_ns"] for st in late if in_order(st["user"]))
     assert total > 0 and named >= 0.95 * total, [(st["user"], st["offcpu_ns"]) for st in late]
+
+
+def test_processes_gone_give_their_rules_back_so_new_ones_are_still_unwound(
+        tmp_path: Path) -> None:
+    """The probe holds a bounded number of unwinding rules, taught per process.
+    Here the budget is 24 and one no-frame-pointer process takes 15: each of
+    three in a row, started after the one before is gone, must be unwound to
+    main. (Teaching once stopped for good at the budget: with process churn,
+    after ~1,000 processes no new one was unwound past its first frames.)"""
+    from offtop.bpf.engine import BpfSource, EngineConfig
+    from offtop.cgroups import cgroup2_mounts
+    from offtop.model import Aggregator
+
+    binary = build(tmp_path, "nofp_deep.c", "-O2", "-fomit-frame-pointer")
+    want = ["read", "offtop_nofp_f3", "offtop_nofp_f2", "offtop_nofp_f1", "main"]
+    mounts = cgroup2_mounts()
+    assert mounts, "no cgroup v2 mount on this machine"
+    cg = mounts[0] / f"offtop-test-rules-{os.getpid()}"
+    cg.mkdir()
+    # Only this cgroup's processes: nothing else on the machine takes rules.
+    src = BpfSource(EngineConfig(cgroup=str(cg), unwind_rules=24),
+                    aggregator=Aggregator(max_stacks=500_000))
+
+    def join() -> None:
+        (cg / "cgroup.procs").write_text(str(os.getpid()))
+
+    try:
+        src.start()
+        stop = threading.Event()
+        for turn in range(3):
+            proc = subprocess.Popen([str(binary), "5"], stdout=subprocess.PIPE, text=True,
+                                    preexec_fn=join)
+            try:
+                assert proc.stdout is not None
+                m = re.search(r"tid=(\d+)", proc.stdout.readline())
+                assert m
+                tid = int(m.group(1))
+                snaps = [src.next_snapshot(0.5, stop) for _ in range(8)]
+            finally:
+                proc.kill()
+                proc.wait(timeout=5)
+            last = snaps[-1]
+            assert last is not None
+            late = [st for st in last.stacks if st.tid == tid]
+            total = sum(st.offcpu_ns for st in late)
+            whole = sum(st.offcpu_ns for st in late
+                        if [f.name for f in st.user][:len(want)] == want)
+            assert total > 0 and whole >= 0.95 * total, (
+                turn, [([f.name for f in st.user], st.offcpu_ns) for st in late])
+            for _ in range(6):  # gone: its rules go at the next sweep (every 5 intervals)
+                src.next_snapshot(0.5, stop)
+    finally:
+        src.close()
+        remove_cgroup(cg)
 
 
 def test_frame_pointer_code_blocked_before_offtop_is_unwound_whole(tmp_path: Path) -> None:

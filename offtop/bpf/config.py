@@ -32,6 +32,9 @@ class EngineConfig:
     agg_entries: int = 65_536
     kstack_depth: int = 48
     ustack_depth: int = 127
+    #: Unwinding rules taught to the probe at most, over the processes alive
+    #: (offcpu.c unwind_rules holds 65,536; a gone process's are deleted).
+    unwind_rules: int = 65_536
     perf_pages: int = 256
     wakeup_events: int = 64
     subtick_s: float = 0.25

@@ -234,7 +234,9 @@ class BpfSource:
             if cfg.python_stacks:
                 self.frames.python = PythonFrames(PythonStacks(),
                                                   budget_s=cfg.python_budget_s)
-            repair = UserStackRepair(unwinder, self.probe.set_unwind_rule)
+            repair = UserStackRepair(unwinder, self.probe.set_unwind_rule,
+                                     forget=self.probe.forget_unwind_rules,
+                                     max_rules=cfg.unwind_rules)
         self.frames.stacks = StackStore(
             self.probe, kernel_symbols=self._ksyms, user_symbols=self._usyms, repair=repair,
             capacity={"k": cfg.stack_entries, "u": cfg.ustack_entries},

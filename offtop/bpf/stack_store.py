@@ -118,6 +118,11 @@ class StackStore:
         """Stamp later uses with interval `seq` (for reclaiming)."""
         self._seq = seq
 
+    def new_subtick(self) -> None:
+        """Memory maps are read again where needed (processes map and unmap)."""
+        if self._repair is not None:
+            self._repair.new_tick()
+
     def touch(self, ksid: int, usid: int) -> None:
         """Stamp ids as used now, as resolving them would (they are not reclaimed)."""
         seq = self._seq
@@ -201,7 +206,7 @@ class StackStore:
         at_limit = len(addrs) >= self._udepth
         cut = False
         if self._repair is not None:
-            addrs, cut = self._repair.repair(pid, addrs)
+            addrs, cut = self._repair.repair(pid, addrs, start)
         if deadline is not None and time.monotonic() > deadline:
             self.stats.symbol_deadline_misses += 1
         frames = self.user_symbols.resolve_stack(pid, addrs, deadline=deadline, start=start)
@@ -288,6 +293,8 @@ class StackStore:
         """Drop the user frames of processes that are gone (a pid and its start
         time name a process): with process churn they would pile up until the
         cache's bound, holding every dead process's frames."""
+        if self._repair is not None:
+            self._repair.sweep(self._start_time)
         procs = {(k[2], k[3]) for k in self._frames if k[0] == "u"}
         gone = {p for p in procs if not p[1] or self._start_time(p[0]) != p[1]}
         if gone:

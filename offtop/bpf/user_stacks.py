@@ -51,6 +51,10 @@ def pack_rule(rule: Rule | None) -> int:
     return packed
 
 
+#: The rules taught to a process that is gone: none, and none are added.
+_NONE_TAUGHT: set[int] = set()
+
+
 @dataclass(slots=True)
 class RepairStats:
     """Counts, cumulative."""
@@ -62,8 +66,14 @@ class RepairStats:
 class UserStackRepair:
     """Checks probe user stacks and teaches the probe rules (see the module docstring).
 
-    `teach(tgid, pc, packed_rule)` writes a rule into the probe. One per
-    engine thread (the unwinder's caches are not thread-safe).
+    `teach(tgid, pc, packed_rule)` writes a rule into the probe and
+    `forget(pids)` deletes every rule of these processes there. Rules are
+    per process (its pid and start time): once it is gone (`sweep`), or its
+    pid is another process's (seen at `repair`), its rules are deleted on
+    both sides, so that with process churn the budget of `max_rules` goes
+    to the processes alive and a reused pid never steps by a dead
+    process's rules. One per engine thread (the unwinder's caches are not
+    thread-safe).
     """
 
     def __init__(
@@ -71,14 +81,17 @@ class UserStackRepair:
         unwinder: Unwinder,
         teach: Callable[[int, int, int], None],
         *,
+        forget: Callable[[set[int]], object] = lambda pids: None,
         max_rules: int = 65_536,
         maps: Callable[[int], list[ExecMapping]] = read_exec_maps,
     ) -> None:
         self._unwinder = unwinder
         self._teach = teach
+        self._forget = forget
         self._max_rules = max_rules
         self._read_maps = maps
         self._taught: dict[int, set[int]] = {}
+        self._starts: dict[int, int] = {}  # pid -> start time of the process taught
         self._count = 0
         self._maps: dict[int, list[ExecMapping]] = {}
         # (pid, address, first frame?) -> does the frame keep rbp as its base?
@@ -94,11 +107,27 @@ class UserStackRepair:
         """Processes the probe holds rules for."""
         return set(self._taught)
 
+    @property
+    def rules(self) -> int:
+        """Rules taught and not forgotten."""
+        return self._count
+
     def forget_processes(self, pids: set[int]) -> None:
-        """These processes are gone: their rules mean nothing any more."""
+        """These processes are gone: their rules mean nothing any more, here or in the probe."""
+        pids = {pid for pid in pids if pid in self._taught or pid in self._starts}
+        if not pids:
+            return
         for pid in pids:
             self._count -= len(self._taught.pop(pid, ()))
+            self._starts.pop(pid, None)
+            self._maps.pop(pid, None)
         self._keeps_fp = {k: v for k, v in self._keeps_fp.items() if k[0] not in pids}
+        self._forget(pids)
+
+    def sweep(self, start_time: Callable[[int], int | None]) -> None:
+        """Forget the processes gone since they were taught (`start_time`: now, None if gone)."""
+        self.forget_processes({pid for pid in self._taught
+                               if start_time(pid) != self._starts.get(pid)})
 
     def _maps_of(self, pid: int) -> list[ExecMapping]:
         maps = self._maps.get(pid)
@@ -106,44 +135,57 @@ class UserStackRepair:
             maps = self._maps[pid] = self._read_maps(pid)
         return maps
 
-    def _rule(self, pid: int, addr: int, first: bool, maps: list[ExecMapping]) -> Rule | None:
-        return self._unwinder.rule_for(pid, addr, exact=first, maps=maps)
+    def _rule(self, pid: int, addr: int, first: bool) -> Rule | None:
+        return self._unwinder.rule_for(pid, addr, exact=first, maps=self._maps_of(pid))
 
-    def repair(self, pid: int, addrs: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
-        """(the trusted addresses, tags removed; True when frames were cut)."""
+    def repair(self, pid: int, addrs: tuple[int, ...], start: int = 0
+               ) -> tuple[tuple[int, ...], bool]:
+        """(the trusted addresses, tags removed; True when frames were cut).
+
+        `start`: the process's start time (0: unknown, the process is gone:
+        nothing is taught). A pid taught before under another start time is
+        another process now: the old one's rules go first.
+        """
         if not addrs:
             return addrs, False
-        maps = self._maps_of(pid)
+        known = self._starts.get(pid)
+        if start and known != start:
+            if known is not None:
+                self.forget_processes({pid})
+            self._starts[pid] = start
+        taught = self._taught.get(pid) if start else _NONE_TAUGHT
+        if taught is None:
+            taught = self._taught[pid] = set()
         out = [addrs[0]]
-        self._learn(pid, addrs[0], True, maps)
+        if addrs[0] not in taught:
+            self._learn(pid, taught, addrs[0], True)
         for addr in addrs[1:]:
             if addr & FP_FRAME_TAG:
                 addr &= ~FP_FRAME_TAG
-                if not self._keeps_frame_pointer(pid, out[-1], len(out) == 1, maps):
+                if not self._keeps_frame_pointer(pid, out[-1], len(out) == 1):
                     self.stats.cut += 1
                     return tuple(out), True
             out.append(addr)
-            self._learn(pid, addr, False, maps)
+            if addr not in taught:
+                self._learn(pid, taught, addr, False)
         return tuple(out), False
 
-    def _keeps_frame_pointer(self, pid: int, addr: int, first: bool,
-                             maps: list[ExecMapping]) -> bool:
+    def _keeps_frame_pointer(self, pid: int, addr: int, first: bool) -> bool:
         """Is rbp the frame base of the function at `addr` (or nothing says otherwise)?"""
         key = (pid, addr, first)
         keeps = self._keeps_fp.get(key)
         if keeps is None:
-            rule = self._rule(pid, addr, first, maps)
+            rule = self._rule(pid, addr, first)
             keeps = rule is None or rule.cfa == CfaKind.RBP
             if len(self._keeps_fp) >= 4 * self._max_rules:
                 self._keeps_fp.clear()
             self._keeps_fp[key] = keeps
         return keeps
 
-    def _learn(self, pid: int, addr: int, first: bool, maps: list[ExecMapping]) -> None:
-        taught = self._taught.setdefault(pid, set())
-        if addr in taught or self._count >= self._max_rules:
+    def _learn(self, pid: int, taught: set[int], addr: int, first: bool) -> None:
+        if self._count >= self._max_rules or taught is _NONE_TAUGHT:
             return
         taught.add(addr)
         self._count += 1
-        self._teach(pid, addr, pack_rule(self._rule(pid, addr, first, maps)))
+        self._teach(pid, addr, pack_rule(self._rule(pid, addr, first)))
         self.stats.rules_taught += 1

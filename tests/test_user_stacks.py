@@ -1,0 +1,85 @@
+"""UserStackRepair's rules over processes' lives: taught per process, forgotten
+on both sides once it is gone or its pid is another's (no BPF: the probe's
+side is a recording fake)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offtop.bpf.user_stacks import RULE_FP, UserStackRepair
+
+
+class FakeUnwinder:
+    """No table covers anything: every pc gets the frame-pointer rule."""
+
+    def rule_for(self, pid: int, addr: int, *, exact: bool, maps: Any = None) -> None:
+        return None
+
+
+class FakeProbe:
+    """What the repair wrote to the probe: rules by (pid, pc), and forgets."""
+
+    def __init__(self) -> None:
+        self.rules: dict[tuple[int, int], int] = {}
+        self.forgotten: list[set[int]] = []
+
+    def teach(self, pid: int, pc: int, rule: int) -> None:
+        self.rules[(pid, pc)] = rule
+
+    def forget(self, pids: set[int]) -> None:
+        self.forgotten.append(set(pids))
+        self.rules = {k: v for k, v in self.rules.items() if k[0] not in pids}
+
+
+def repair_with(probe: FakeProbe, max_rules: int = 65_536,
+                maps_read: list[int] | None = None) -> UserStackRepair:
+    def maps(pid: int) -> list[Any]:
+        if maps_read is not None:
+            maps_read.append(pid)
+        return []
+    return UserStackRepair(FakeUnwinder(), probe.teach, forget=probe.forget,  # type: ignore[arg-type]
+                           max_rules=max_rules, maps=maps)
+
+
+def test_a_gone_process_gives_its_rules_back_to_the_budget() -> None:
+    probe = FakeProbe()
+    repair = repair_with(probe, max_rules=4)
+    repair.repair(100, (0x1000, 0x2000, 0x3000, 0x4000), start=7)
+    assert repair.rules == 4 and len(probe.rules) == 4
+    repair.repair(200, (0x5000, 0x6000), start=9)
+    assert (200, 0x5000) not in probe.rules  # over the budget while 100 lives
+    alive = {100: 7, 200: 9}
+    repair.sweep(alive.get)
+    assert probe.forgotten == []
+    del alive[100]  # exits
+    repair.sweep(alive.get)
+    assert probe.forgotten == [{100}]
+    assert not any(pid == 100 for pid, _ in probe.rules)
+    repair.repair(200, (0x5000, 0x6000), start=9)
+    assert probe.rules[(200, 0x5000)] == RULE_FP and (200, 0x6000) in probe.rules
+    assert repair.rules == 2 and repair.taught_pids == {200}
+
+
+def test_a_reused_pid_never_keeps_the_dead_process_rules() -> None:
+    probe = FakeProbe()
+    repair = repair_with(probe)
+    repair.repair(100, (0x1000, 0x2000), start=7)
+    del probe.rules[(100, 0x1000)]  # stands for: the probe's rule must be taught anew
+    repair.repair(100, (0x1000, 0x2000), start=8)  # another process, same pid
+    assert probe.forgotten == [{100}]
+    assert (100, 0x1000) in probe.rules and repair.rules == 2
+    repair.repair(100, (0x1000,), start=0)  # start unknown (gone since): kept as is
+    assert probe.forgotten == [{100}]
+
+
+def test_memory_maps_are_read_again_each_sub_tick_and_only_when_needed() -> None:
+    probe = FakeProbe()
+    reads: list[int] = []
+    repair = repair_with(probe, maps_read=reads)
+    repair.repair(100, (0x1000, 0x2000), start=7)
+    assert reads == [100]
+    repair.repair(100, (0x1000, 0x2000), start=7)  # every pc taught: no read
+    assert reads == [100]
+    repair.new_tick()
+    repair.repair(100, (0x1000, 0x3000), start=7)
+    assert reads == [100, 100]
