@@ -123,20 +123,6 @@ class ElfSymbols:
         self._shown: dict[int, str] = {}
         self.build_id = build_id
 
-    @classmethod
-    def from_symbols(cls, segments: list[Segment], symbols: list[tuple[int, int, str]],
-                     build_id: bytes | None = None) -> ElfSymbols:
-        """Build from (address, size, name) triples, already one per address."""
-        symbols = sorted(symbols)
-        strtab = bytearray()
-        refs: array[int] = array("Q")
-        for _, _, name in symbols:
-            refs.append(len(strtab))
-            strtab += name.encode("utf-8", "replace").replace(b"\0", b"?") + b"\0"
-        return cls(segments, array("Q", [s[0] for s in symbols]),
-                   array("Q", [min(s[0] + s[1], _MAX_ADDRESS) for s in symbols]), refs, [bytes(strtab)],
-                   build_id)
-
     def __len__(self) -> int:
         return len(self._starts)
 
