@@ -113,12 +113,13 @@ class SnapshotPump:
         while not self.stopping.is_set() and not worker.is_cancelled:
             try:
                 snap = self.source.next_snapshot(self.interval_s, self.stopping)
+                if snap is None:
+                    break
+                self.publish(snap, restart=self._jumped())
             except Exception as error:
+                # Said on screen, never a silent end of this thread (a stalled app).
                 self.app.post_message(SourceFailed(error, started=True))
                 return
-            if snap is None:
-                break
-            self.publish(snap, restart=self._jumped())
         self.app.post_message(SourceEnded())
 
     def _jumped(self) -> bool:

@@ -34,6 +34,7 @@ from offtop.model import (
     LongBlock,
     RowKey,
     Snapshot,
+    SnapshotIndex,
     StackRow,
     is_idle_wait,
 )
@@ -311,6 +312,26 @@ async def test_start_failure_is_shown_and_q_quits() -> None:
         await pilot.pause()
     assert app.return_code == 0
     assert app.source_error is not None
+
+
+async def test_a_failure_handling_a_snapshot_is_said_not_a_silent_stall() -> None:
+    """Anything that fails in the source's thread, taking in a snapshot as well
+    as reading one, is said on screen and the app stays: the thread once
+    ended silently there, leaving an app that only said "no data"."""
+    app = OfftopApp(fake_source(3), clock=FakeClock())
+    add = app.pump.since_start.add
+
+    def broken_at_the_second(index: SnapshotIndex) -> None:
+        if index.snapshot.seq >= 2:
+            raise ValueError("since-start totals: broken")
+        add(index)
+    app.pump.since_start.add = broken_at_the_second  # type: ignore[method-assign]
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.source_error is not None, "the failure said")
+        await pilot.pause()
+        assert app.snapshot is not None and app.snapshot.seq == 1
+        assert isinstance(app.source_error, ValueError) and app.status == "failed"
+        assert app.is_running
 
 
 # --- the task table ------------------------------------------------------------------
