@@ -92,7 +92,8 @@ def test_ids_the_maps_hold_but_no_row_named_are_counted_every_30_intervals() -> 
 
 
 def test_user_ids_unused_are_forgotten_never_deleted() -> None:
-    """The user stack map is an LRU map: the kernel makes room in it itself."""
+    """The user stack map is an LRU map: the kernel makes room in it itself
+    (reclaim deletes none; the ids of processes gone go at the sweep, below)."""
     maps = FakeStackMaps(range(4), range(4))
     s = store(maps)
     s.next_interval(30)
@@ -101,3 +102,34 @@ def test_user_ids_unused_are_forgotten_never_deleted() -> None:
     s.reclaim(live={("u", 2)})
     assert all(kind == "k" for kind, _ in maps.deleted)
     assert [s.last_use("u", i) for i in range(4)] == [None, None, 30, None]
+
+
+class FakeUserSymbols:
+    def resolve_stack(self, pid: int, addrs: Any, *, deadline: Any = None,
+                      start: Any = None) -> tuple[Frame, ...]:
+        return tuple(Frame(f"u{a:x}") for a in addrs)
+
+
+def test_user_ids_of_processes_gone_are_deleted_a_sweep_after_they_were_found_gone() -> None:
+    """Under process churn the LRU map filled with dead processes' stacks and
+    then evicted fresh ones before they were read: the ids of processes gone
+    are deleted, but not those a process alive shares, and only at the sweep
+    after the one that found them gone (a row summed just before a process
+    ended is still read)."""
+    maps = FakeStackMaps(range(0), range(4))
+    alive = {100: 7, 200: 9}
+    s = StackStore(maps, kernel_symbols=None, user_symbols=FakeUserSymbols(),  # type: ignore[arg-type]
+                   capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64,
+                   start_time=alive.get)
+    s.next_interval(1)
+    for pid, start, sid in ((100, 7, 0), (100, 7, 1), (200, 9, 1), (200, 9, 2)):
+        assert s.user(pid, start, sid)
+    del alive[100]
+    s.next_interval(5)
+    s.trim()  # the sweep that finds 100 gone
+    assert maps.deleted == []
+    s.next_interval(10)
+    s.trim()
+    assert maps.deleted == [("u", 0)]  # id 1 is 200's too
+    assert s.stats.user_freed == 1 and s.last_use("u", 0) is None
+    assert s.user(200, 9, 1) == (Frame("u401001"),)
