@@ -39,6 +39,10 @@ class FakeStackMaps:
     def delete_stack(self, kind: str, sid: int) -> None:
         self.stacks.pop((kind, sid), None)
 
+    def delete_stacks(self, kind: str, sids: Any) -> None:
+        for sid in sids:
+            self.delete_stack(kind, sid)
+
 
 class FakeKernelSymbols:
     def resolve_stack(self, addrs: Any) -> tuple[Frame, ...]:

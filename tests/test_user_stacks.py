@@ -4,9 +4,11 @@ side is a recording fake)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from offtop.bpf.user_stacks import RULE_FP, UserStackRepair
+from offtop.unwind.maps import ExecMapping
 
 
 class FakeUnwinder:
@@ -26,19 +28,20 @@ class FakeProbe:
     def teach(self, pid: int, pc: int, rule: int) -> None:
         self.rules[(pid, pc)] = rule
 
-    def forget(self, pids: set[int]) -> None:
-        self.forgotten.append(set(pids))
-        self.rules = {k: v for k, v in self.rules.items() if k[0] not in pids}
+    def forget(self, rules: Iterable[tuple[int, int]]) -> None:
+        gone = set(rules)
+        self.forgotten.append({pid for pid, _ in gone})
+        self.rules = {k: v for k, v in self.rules.items() if k not in gone}
 
 
 def repair_with(probe: FakeProbe, max_rules: int = 65_536,
-                maps_read: list[int] | None = None) -> UserStackRepair:
+                maps_read: list[int] | None = None, clock: Any = None) -> UserStackRepair:
     def maps(pid: int) -> list[Any]:
         if maps_read is not None:
             maps_read.append(pid)
-        return []
+        return [ExecMapping(0x1000, 0x3000, 0, "/bin/x", "")]
     return UserStackRepair(FakeUnwinder(), probe.teach, forget=probe.forget,  # type: ignore[arg-type]
-                           max_rules=max_rules, maps=maps)
+                           max_rules=max_rules, maps=maps, clock=clock or (lambda: 0.0))
 
 
 def test_a_gone_process_gives_its_rules_back_to_the_budget() -> None:
@@ -72,14 +75,16 @@ def test_a_reused_pid_never_keeps_the_dead_process_rules() -> None:
     assert probe.forgotten == [{100}]
 
 
-def test_memory_maps_are_read_again_each_sub_tick_and_only_when_needed() -> None:
+def test_memory_maps_are_read_once_and_again_only_for_an_address_outside_them() -> None:
     probe = FakeProbe()
     reads: list[int] = []
-    repair = repair_with(probe, maps_read=reads)
+    now = [0.0]
+    repair = repair_with(probe, maps_read=reads, clock=lambda: now[0])
     repair.repair(100, (0x1000, 0x2000), start=7)
+    repair.repair(100, (0x1100, 0x2100), start=7)
     assert reads == [100]
-    repair.repair(100, (0x1000, 0x2000), start=7)  # every pc taught: no read
+    repair.repair(100, (0x1200, 0x5000), start=7)  # outside: mapped since? not yet a second
     assert reads == [100]
-    repair.new_tick()
-    repair.repair(100, (0x1000, 0x3000), start=7)
+    now[0] = 1.5
+    repair.repair(100, (0x1300, 0x5100), start=7)
     assert reads == [100, 100]

@@ -63,11 +63,8 @@ class BlockFrames:
         return self._clock() >= self._hurry_deadline
 
     def new_subtick(self) -> None:
-        """Start times are read again (a pid may be another process's by now),
-        and memory maps where needed."""
+        """Start times are read again (a pid may be another process's by now)."""
         self._starts.clear()
-        if self.stacks is not None:
-            self.stacks.new_subtick()
 
     def start_of(self, pid: int) -> int:
         """The start time of process `pid` (0: unknown): with the pid, who it is."""

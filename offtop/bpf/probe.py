@@ -282,12 +282,11 @@ class Probe:
         # An LRU map is never full; a failure costs only a frame-pointer step.
         self._map("unwind_rules").try_update(_RULE_KEY.pack(tgid, 0, pc), _U64.pack(rule))
 
-    def forget_unwind_rules(self, gone: set[int]) -> int:
-        """Delete the rules of processes that are gone (their pids may come back); how many."""
-        table = self._map("unwind_rules")
-        victims = [k for k in table.all_keys() if _U32.unpack_from(k)[0] in gone]
-        table.delete_many(victims)
-        return len(victims)
+    def forget_unwind_rules(self, rules: Iterable[tuple[int, int]]) -> int:
+        """Delete these (tgid, pc) rules: their processes are gone (the pids may
+        come back); how many were there (the LRU may have dropped some)."""
+        return self._map("unwind_rules").delete_many(
+            [_RULE_KEY.pack(tgid, 0, pc) for tgid, pc in rules])
 
     def seed_record(self, tid: int, rec: StartRecord) -> bool:
         """Give a thread blocked before offtop started a record (overflow hash, never
@@ -406,3 +405,7 @@ class Probe:
     def delete_stack(self, kind: str, sid: int) -> None:
         """Free a stack id (the kernel never does)."""
         self._stack_table(kind).delete(_U32.pack(sid & 0xFFFFFFFF))
+
+    def delete_stacks(self, kind: str, sids: Iterable[int]) -> None:
+        """Free many stack ids at once (ids already gone are skipped)."""
+        self._stack_table(kind).delete_many([_U32.pack(sid & 0xFFFFFFFF) for sid in sids])

@@ -47,6 +47,10 @@ class StackMaps(Protocol):
         """Free an id."""
         ...
 
+    def delete_stacks(self, kind: str, sids: Iterable[int]) -> None:
+        """Free many ids at once (ids already gone are skipped)."""
+        ...
+
 
 @dataclass(slots=True)
 class StackStats:
@@ -119,11 +123,6 @@ class StackStore:
     def next_interval(self, seq: int) -> None:
         """Stamp later uses with interval `seq` (for reclaiming)."""
         self._seq = seq
-
-    def new_subtick(self) -> None:
-        """Memory maps are read again where needed (processes map and unmap)."""
-        if self._repair is not None:
-            self._repair.new_tick()
 
     def touch(self, ksid: int, usid: int) -> None:
         """Stamp ids as used now, as resolving them would (they are not reclaimed)."""
@@ -317,8 +316,10 @@ class StackStore:
         and then evicts fresh ones before they are read (measured on the busy
         server: ~250 user stacks a second lost after the first minute). An id
         names the same frames wherever it comes back, so nothing cached goes."""
+        if not ids:
+            return
+        self._maps.delete_stacks("u", ids)
         users = self._last_use["u"]
         for sid in ids:
-            self._maps.delete_stack("u", sid)
             users.pop(sid, None)
         self.stats.user_freed += len(ids)

@@ -18,7 +18,9 @@ mapping are cut by the symbolizer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import bisect
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from offtop.bpf.decode import FP_FRAME_TAG
@@ -51,6 +53,9 @@ def pack_rule(rule: Rule | None) -> int:
     return packed
 
 
+#: A process's memory map is read again at most this often (an address outside it).
+REREAD_MAPS_S = 1.0
+
 #: The rules taught to a process that is gone: none, and none are added.
 _NONE_TAUGHT: set[int] = set()
 
@@ -81,26 +86,26 @@ class UserStackRepair:
         unwinder: Unwinder,
         teach: Callable[[int, int, int], None],
         *,
-        forget: Callable[[set[int]], object] = lambda pids: None,
+        forget: Callable[[Iterable[tuple[int, int]]], object] = lambda rules: None,
         max_rules: int = 65_536,
         maps: Callable[[int], list[ExecMapping]] = read_exec_maps,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._unwinder = unwinder
         self._teach = teach
         self._forget = forget
         self._max_rules = max_rules
         self._read_maps = maps
+        self._clock = clock
         self._taught: dict[int, set[int]] = {}
         self._starts: dict[int, int] = {}  # pid -> start time of the process taught
         self._count = 0
-        self._maps: dict[int, list[ExecMapping]] = {}
-        # (pid, address, first frame?) -> does the frame keep rbp as its base?
-        self._keeps_fp: dict[tuple[int, int, bool], bool] = {}
+        # pid -> (when read, its executable mappings, their starts)
+        self._maps: dict[int, tuple[float, list[ExecMapping], list[int]]] = {}
+        # pid -> (address, first frame?) -> does the frame keep rbp as its base?
+        self._keeps_fp: dict[int, dict[tuple[int, bool], bool]] = {}
+        self._keeps_count = 0
         self.stats = RepairStats()
-
-    def new_tick(self) -> None:
-        """Forget the memory maps read so far (processes map and unmap)."""
-        self._maps.clear()
 
     @property
     def taught_pids(self) -> set[int]:
@@ -114,29 +119,39 @@ class UserStackRepair:
 
     def forget_processes(self, pids: set[int]) -> None:
         """These processes are gone: their rules mean nothing any more, here or in the probe."""
-        pids = {pid for pid in pids if pid in self._taught or pid in self._starts}
-        if not pids:
-            return
+        rules = []
         for pid in pids:
-            self._count -= len(self._taught.pop(pid, ()))
+            taught = self._taught.pop(pid, ())
+            self._count -= len(taught)
+            rules += [(pid, pc) for pc in taught]
             self._starts.pop(pid, None)
             self._maps.pop(pid, None)
-        self._keeps_fp = {k: v for k, v in self._keeps_fp.items() if k[0] not in pids}
-        self._forget(pids)
+            self._keeps_count -= len(self._keeps_fp.pop(pid, ()))
+        if rules:
+            self._forget(rules)
 
     def sweep(self, start_time: Callable[[int], int | None]) -> None:
         """Forget the processes gone since they were taught (`start_time`: now, None if gone)."""
         self.forget_processes({pid for pid in self._taught
                                if start_time(pid) != self._starts.get(pid)})
 
-    def _maps_of(self, pid: int) -> list[ExecMapping]:
-        maps = self._maps.get(pid)
-        if maps is None:
-            maps = self._maps[pid] = self._read_maps(pid)
+    def _maps_of(self, pid: int, addr: int) -> list[ExecMapping]:
+        """The process's executable mappings: read at first need, and again (at
+        most once a second) for an address outside them (mapped since: dlopen)."""
+        now = self._clock()
+        known = self._maps.get(pid)
+        if known is not None:
+            read_at, maps, starts = known
+            i = bisect.bisect_right(starts, addr) - 1
+            if (i >= 0 and addr < maps[i].end) or now - read_at < REREAD_MAPS_S:
+                return maps
+        maps = self._read_maps(pid)
+        self._maps[pid] = (now, maps, [m.start for m in maps])
         return maps
 
     def _rule(self, pid: int, addr: int, first: bool) -> Rule | None:
-        return self._unwinder.rule_for(pid, addr, exact=first, maps=self._maps_of(pid))
+        maps = self._maps_of(pid, addr)
+        return self._unwinder.rule_for(pid, addr, exact=first, maps=maps)
 
     def repair(self, pid: int, addrs: tuple[int, ...], start: int = 0
                ) -> tuple[tuple[int, ...], bool]:
@@ -172,14 +187,16 @@ class UserStackRepair:
 
     def _keeps_frame_pointer(self, pid: int, addr: int, first: bool) -> bool:
         """Is rbp the frame base of the function at `addr` (or nothing says otherwise)?"""
-        key = (pid, addr, first)
-        keeps = self._keeps_fp.get(key)
+        known = self._keeps_fp.get(pid)
+        keeps = known.get((addr, first)) if known is not None else None
         if keeps is None:
             rule = self._rule(pid, addr, first)
             keeps = rule is None or rule.cfa == CfaKind.RBP
-            if len(self._keeps_fp) >= 4 * self._max_rules:
+            if self._keeps_count >= 4 * self._max_rules:
                 self._keeps_fp.clear()
-            self._keeps_fp[key] = keeps
+                self._keeps_count = 0
+            self._keeps_fp.setdefault(pid, {})[(addr, first)] = keeps
+            self._keeps_count += 1
         return keeps
 
     def _learn(self, pid: int, taught: set[int], addr: int, first: bool) -> None:
