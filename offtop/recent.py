@@ -20,8 +20,8 @@ V = TypeVar("V")
 
 
 class Recent(Generic[K, V]):
-    """See the module docstring; past `max_kept` entries in the newer generation, it
-    is emptied (the older stays until the next rotation)."""
+    """See the module docstring; bounded: at `max_kept` entries (both generations),
+    a `put` empties it first."""
 
     def __init__(self, max_kept: int) -> None:
         self._max = max_kept
@@ -41,8 +41,8 @@ class Recent(Generic[K, V]):
         return value
 
     def put(self, key: K, value: V) -> None:
-        if len(self._now) >= self._max:
-            self._now.clear()
+        if len(self._now) + len(self._before) >= self._max:
+            self.clear()
         self._now[key] = value
 
     def rotate(self) -> None:

@@ -36,12 +36,9 @@ class FakeStackMaps:
     def stack_ids(self, kind: str) -> list[int]:
         return [sid for k, sid in self.stacks if k == kind]
 
-    def delete_stack(self, kind: str, sid: int) -> None:
-        self.stacks.pop((kind, sid), None)
-
     def delete_stacks(self, kind: str, sids: Any) -> None:
         for sid in sids:
-            self.delete_stack(kind, sid)
+            self.stacks.pop((kind, sid), None)
 
 
 class FakeKernelSymbols:
@@ -208,3 +205,18 @@ def test_wakers_not_asked_for_in_a_whole_interval_are_forgotten() -> None:
     wakers.next_interval()
     assert len(wakers) == 0
     assert wakers.waker(raw) == a
+
+
+def test_recent_is_bounded_over_both_generations() -> None:
+    """The caches built on `Recent` (kept rows, wakers, chains) hold at most
+    `max_kept` entries, the older generation counted too."""
+    from offtop.recent import Recent
+
+    kept: Recent[int, str] = Recent(4)
+    for k in range(3):
+        kept.put(k, "old")
+    kept.rotate()
+    kept.put(10, "new")
+    assert len(kept) == 4
+    kept.put(11, "new")  # full: emptied first
+    assert len(kept) == 1 and kept.get(11) == "new" and kept.get(0) is None

@@ -28,13 +28,10 @@ class FakeStackMaps:
     def stack_ids(self, kind: str) -> list[int]:
         return [sid for k, sid in self.stacks if k == kind]
 
-    def delete_stack(self, kind: str, sid: int) -> None:
-        self.deleted.append((kind, sid))
-        self.stacks.pop((kind, sid), None)
-
     def delete_stacks(self, kind: str, sids: Any) -> None:
         for sid in sids:
-            self.delete_stack(kind, sid)
+            self.deleted.append((kind, sid))
+            self.stacks.pop((kind, sid), None)
 
 
 class FakeKernelSymbols:

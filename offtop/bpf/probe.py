@@ -402,10 +402,7 @@ class Probe:
         """Every id in use in a stack map."""
         return [struct.unpack("<i", k)[0] for k in self._stack_table(kind).all_keys()]
 
-    def delete_stack(self, kind: str, sid: int) -> None:
-        """Free a stack id (the kernel never does)."""
-        self._stack_table(kind).delete(_U32.pack(sid & 0xFFFFFFFF))
-
     def delete_stacks(self, kind: str, sids: Iterable[int]) -> None:
-        """Free many stack ids at once (ids already gone are skipped)."""
+        """Free stack ids (the kernel never frees a stack map's; ids already gone
+        are skipped): one batch command where the map type has them."""
         self._stack_table(kind).delete_many([_U32.pack(sid & 0xFFFFFFFF) for sid in sids])

@@ -43,10 +43,6 @@ class StackMaps(Protocol):
         """Every id in use."""
         ...
 
-    def delete_stack(self, kind: str, sid: int) -> None:
-        """Free an id."""
-        ...
-
     def delete_stacks(self, kind: str, sids: Iterable[int]) -> None:
         """Free many ids at once (ids already gone are skipped)."""
         ...
@@ -258,8 +254,8 @@ class StackStore:
             return
         kernels = self._last_use["k"]
         victims = [sid for sid, seen in kernels.items() if seen < horizon and ("k", sid) not in live]
+        self._maps.delete_stacks("k", victims)
         for sid in victims:
-            self._maps.delete_stack("k", sid)
             del kernels[sid]
         if victims:
             self.generation += 1
@@ -296,15 +292,17 @@ class StackStore:
         cache's bound, holding every dead process's frames."""
         if self._repair is not None:
             self._repair.sweep(self._start_time)
-        procs = {(k[2], k[3]) for k in self._frames if k[0] == "u"}
-        gone = {p for p in procs if not p[1] or self._start_time(p[0]) != p[1]}
-        alive_ids = {k[1] for k in self._frames if k[0] == "u" and (k[2], k[3]) not in gone}
+        ids_of: dict[tuple[int, int], set[int]] = {}  # process -> its user stack ids
+        for kind, sid, pid, start in self._frames:
+            if kind == "u":
+                ids_of.setdefault((pid, start), set()).add(sid)
+        gone = {p for p in ids_of if not p[1] or self._start_time(p[0]) != p[1]}
+        alive_ids = set().union(*[ids for p, ids in ids_of.items() if p not in gone])
         # The ids of processes found gone at the sweep before (a row summed
         # just before its process ended is read within a sub-tick) and used
         # by no process alive: deleted from the probe's map.
         self._free_user_ids(self._dead_ids - alive_ids)
-        self._dead_ids = {k[1] for k in self._frames
-                          if k[0] == "u" and (k[2], k[3]) in gone} - alive_ids
+        self._dead_ids = set().union(*[ids_of[p] for p in gone]) - alive_ids
         if gone:
             self._frames = {k: v for k, v in self._frames.items()
                             if k[0] != "u" or (k[2], k[3]) not in gone}

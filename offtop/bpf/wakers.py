@@ -65,7 +65,6 @@ class Wakers:
                  user: Callable[[int, int], tuple[Frame, ...]], *, max_kept: int = 50_000) -> None:
         self._kernel = kernel
         self._user = user
-        self._max = max_kept
         # Keyed by the frame tuples' identity (the stack store hands out the
         # same tuples for the same stack: hashing their frames at every row
         # was most of this); the value holds them, so an id is never reused
@@ -99,7 +98,5 @@ class Wakers:
             w = Waker(0, 0, work, kind, interrupt_path(kernel))
         else:
             w = Waker(tgid, tid, decode_comm(comm), kind, kernel, user)
-        if len(self._cache) >= self._max:
-            self._cache.clear()
         self._cache.put(key, (w, kernel, user))
         return w
