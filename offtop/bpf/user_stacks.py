@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from offtop.bpf.decode import FP_FRAME_TAG
+from offtop.symbols import REREAD_S
 from offtop.unwind import Unwinder
 from offtop.unwind.maps import ExecMapping, read_exec_maps
 from offtop.unwind.rules import CfaKind, RegKind, Rule
@@ -53,13 +54,6 @@ def pack_rule(rule: Rule | None) -> int:
     return packed
 
 
-#: A process's memory map is read again at most this often (an address outside it).
-REREAD_MAPS_S = 1.0
-
-#: The rules taught to a process that is gone: none, and none are added.
-_NONE_TAUGHT: set[int] = set()
-
-
 @dataclass(slots=True)
 class RepairStats:
     """Counts, cumulative."""
@@ -72,7 +66,7 @@ class UserStackRepair:
     """Checks probe user stacks and teaches the probe rules (see the module docstring).
 
     `teach(tgid, pc, packed_rule)` writes a rule into the probe and
-    `forget(pids)` deletes every rule of these processes there. Rules are
+    `forget(rules)` deletes these (tgid, pc) rules there. Rules are
     per process (its pid and start time): once it is gone (`sweep`), or its
     pid is another process's (seen at `repair`), its rules are deleted on
     both sides, so that with process churn the budget of `max_rules` goes
@@ -143,7 +137,7 @@ class UserStackRepair:
         if known is not None:
             read_at, maps, starts = known
             i = bisect.bisect_right(starts, addr) - 1
-            if (i >= 0 and addr < maps[i].end) or now - read_at < REREAD_MAPS_S:
+            if (i >= 0 and addr < maps[i].end) or now - read_at < REREAD_S:
                 return maps
         maps = self._read_maps(pid)
         self._maps[pid] = (now, maps, [m.start for m in maps])
@@ -168,11 +162,10 @@ class UserStackRepair:
             if known is not None:
                 self.forget_processes({pid})
             self._starts[pid] = start
-        taught = self._taught.get(pid) if start else _NONE_TAUGHT
-        if taught is None:
-            taught = self._taught[pid] = set()
+        # None: the process is gone, there is nobody to teach.
+        taught = self._taught.setdefault(pid, set()) if start else None
         out = [addrs[0]]
-        if addrs[0] not in taught:
+        if taught is not None and addrs[0] not in taught:
             self._learn(pid, taught, addrs[0], True)
         for addr in addrs[1:]:
             if addr & FP_FRAME_TAG:
@@ -181,7 +174,7 @@ class UserStackRepair:
                     self.stats.cut += 1
                     return tuple(out), True
             out.append(addr)
-            if addr not in taught:
+            if taught is not None and addr not in taught:
                 self._learn(pid, taught, addr, False)
         return tuple(out), False
 
@@ -200,7 +193,7 @@ class UserStackRepair:
         return keeps
 
     def _learn(self, pid: int, taught: set[int], addr: int, first: bool) -> None:
-        if self._count >= self._max_rules or taught is _NONE_TAUGHT:
+        if self._count >= self._max_rules:
             return
         taught.add(addr)
         self._count += 1
