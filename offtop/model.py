@@ -636,6 +636,31 @@ class Aggregator:
             omitted_stacks=len(stacks) - len(stack_rows),
         )
 
+    def forget_gone(self, start_time: Callable[[int], int | None]) -> int:
+        """Drop the totals of threads whose process is gone; return how many.
+
+        `start_time(pid)` is the start time of process `pid` now (None: gone).
+        A gone thread's total is never read again (a reused tid starts afresh),
+        yet would be kept `forget_after` intervals: with process churn, tens of
+        thousands. Threads seen in this interval or the one before are kept (a
+        process's last rows may come a sub-tick after it ended). Each process is
+        asked about once.
+        """
+        recent = self._seq - 1
+        now: dict[int, int | None] = {}
+        gone = []
+        for tid, t in self._totals.items():
+            if t.last_seq >= recent:
+                continue
+            if t.pid not in now:
+                now[t.pid] = start_time(t.pid)
+            started = now[t.pid]
+            if started is None or (t.start and started != t.start):
+                gone.append(tid)
+        for tid in gone:
+            del self._totals[tid]
+        return len(gone)
+
     def _forget(self, seq: int) -> None:
         if len(self._totals) > self._max_threads:
             # Process churn: thousands of new threads a second would each be

@@ -70,6 +70,25 @@ def test_forgetting_bounds_totals() -> None:
     assert agg.tracked_threads < 70
 
 
+def test_threads_of_processes_gone_are_forgotten_but_not_those_just_seen() -> None:
+    agg = Aggregator()
+    started = {10: 500, 20: 600}  # pid 30 is gone; pid 20 is now another process
+    build(agg, [dataclasses.replace(s(11, 1, pid=10), start=500),
+                dataclasses.replace(s(21, 1, pid=20), start=599), s(31, 1, pid=30)])
+    build(agg, [s(12, 1, pid=30)])  # seen in the last interval: its last rows may still come
+    build(agg, [s(13, 1, pid=30)])
+    asked: list[int] = []
+
+    def start_time(pid: int) -> int | None:
+        asked.append(pid)
+        return started.get(pid)
+
+    assert agg.forget_gone(start_time) == 2  # 21 (pid reused) and 31 (gone)
+    assert sorted(asked) == [10, 20, 30]  # each process once
+    snap = build(agg, [s(11, 1, pid=10), s(12, 1, pid=30), s(13, 1, pid=30), s(31, 1, pid=30)])
+    assert {t.tid: t.total_ns for t in snap.tasks} == {11: 2, 12: 2, 13: 2, 31: 1}
+
+
 def test_processes_sum_threads_and_take_the_main_threads_name() -> None:
     snap = build(Aggregator(), [s(11, 100, comm="worker"), s(10, 50, comm="server"), s(20, 5, pid=20)])
     procs = group_processes(snap.tasks)

@@ -50,11 +50,23 @@ def _compiler_mapped(maps: str) -> bool:
     return _COMPILER_LIBS.search(maps) is not None
 
 
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system: glibc's malloc_trim, which
+    walks every arena (each thread that allocates may get one) and returns whole
+    free pages inside them too, not only the top. Freed memory is otherwise kept
+    at its high-water mark, and the engine's churn (rows, stacks and maps of
+    processes come and gone) raises it. False where libc has none (musl)."""
+    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them
+    if not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
 def release_compiler_memory() -> int:
     """Trim the heap and drop clean compiler-library pages; return ranges dropped."""
-    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them
-    if hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    trim_heap()
+    libc = ctypes.CDLL(None, use_errno=True)
     try:
         with open("/proc/self/maps") as f:
             if not _compiler_mapped(f.read()):

@@ -28,7 +28,7 @@ from offtop.bpf.before_start import BeforeStart, cgroup_relative
 from offtop.bpf.block_frames import NOT_RESOLVED, BlockFrames
 from offtop.bpf.blocked import BlockedNowReader
 from offtop.bpf.budget import SelfCost
-from offtop.bpf.compiler_memory import release_compiler_memory
+from offtop.bpf.compiler_memory import release_compiler_memory, trim_heap
 from offtop.bpf.config import EngineConfig, EngineError
 from offtop.bpf.decode import EVENT_STRUCT, ST_BEFORE_START, STATE_BITS, decode_comm, state_name
 from offtop.bpf.flood import FloodControl
@@ -55,7 +55,7 @@ from offtop.procinfo import ProcessInfoCache
 from offtop.pystacks import PythonStacks
 from offtop.source import SourceInfo, local_info
 from offtop.symbols import KernelSymbols, UserSymbols
-from offtop.targets import TargetWatch
+from offtop.targets import TargetWatch, task_start_time
 from offtop.unwind import Unwinder
 
 __all__ = ["BpfSource", "EngineConfig", "EngineError"]
@@ -604,10 +604,11 @@ class BpfSource:
             python_failures=dict(python.failures) if python is not None else {},
         )
         stacks.reclaim(live)
-        if usyms is not None and self._seq % 5 == 0:
+        sweep = self._seq % _SWEEP_INTERVALS == 0
+        if sweep and usyms is not None:
             usyms.evict()
         stacks.trim()
-        return self.aggregator.build_raw(
+        snap = self.aggregator.build_raw(
             self._samples(rows),
             time=time.time(),
             interval_s=elapsed,
@@ -619,6 +620,10 @@ class BpfSource:
             notices=iv.notices,
             finished=self._finished,
         )
+        if sweep:
+            self.aggregator.forget_gone(task_start_time)
+            trim_heap()
+        return snap
 
 
 def _errors_by_cause(c: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -644,3 +649,5 @@ def _errors_by_cause(c: Mapping[str, int]) -> tuple[dict[str, int], dict[str, in
 
 
 _SELF_PID = os.getpid()
+#: Every this many intervals, what belongs to processes gone is let go.
+_SWEEP_INTERVALS = 5
