@@ -405,6 +405,7 @@ class UserSymbols:
         grace_s: float = 10.0,
         max_processes: int = 4096,
         max_frames: int = 1 << 20,
+        max_shared: int = 1 << 17,
         clock: Callable[[], float] = time.monotonic,
         start_time: Callable[[int], int | None] = process_start_time,
         maps: Callable[[int], list[Mapping]] | None = None,
@@ -416,6 +417,8 @@ class UserSymbols:
         self._max = max_processes
         self._max_frames = max_frames
         self._frames = 0  # cached frames, all processes together
+        self._shared: dict[Frame, Frame] = {}
+        self._max_shared = max_shared
         self._clock = clock
         self._start_time = start_time
         self._errors: Counter[str] = Counter()
@@ -501,10 +504,26 @@ class UserSymbols:
                 if f is None:
                     out.append(Frame(name=MARK_TRUNCATED))
                     break
+                f = self._shared_frame(f)
                 if keep:
                     self._remember(p, key, f)
             out.append(f)
         return tuple(out)
+
+    def _shared_frame(self, f: Frame) -> Frame:
+        """The one Frame object for frames equal to `f`. Processes of one program
+        have the same frames at other addresses (ASLR), each resolved afresh;
+        stacks kept past a process (since-start totals, the chain catalog) would
+        otherwise hold a copy of every frame per process. Bounded: past
+        `max_shared` all is let go (sharing starts over; nothing is wrong)."""
+        shared = self._shared
+        got = shared.get(f)
+        if got is not None:
+            return got
+        if len(shared) >= self._max_shared:
+            shared.clear()
+        shared[f] = f
+        return f
 
     def _remember(self, p: _Proc, key: int, f: Frame) -> None:
         if self._frames >= self._max_frames:  # a bound on memory, whatever processes do

@@ -449,3 +449,19 @@ def test_cached_frames_stay_bounded_whatever_a_process_does(tmp_path: Path) -> N
     for i in range(5000):  # a stack of new addresses every time
         u.resolve_stack(1, [0x100000 + 16 * i, 0x200000 + 16 * i])
     assert 0 < u.cached_frames <= 1000
+
+
+def test_equal_frames_of_processes_of_one_program_are_one_object(tmp_path: Path) -> None:
+    """Each process of a program resolves its frames afresh (other addresses); stacks
+    kept past the process hold them, so equal frames are shared, within a bound."""
+    maps = {pid: [Mapping(base, base + 0x1000, 0x3000, "/usr/bin/app", str(tmp_path / "x"))]
+            for pid, base in ((1, 0x10000), (2, 0x50000))}
+    u = UserSymbols(start_time=lambda pid: 1, maps=maps.__getitem__, max_shared=2)
+    one = u.resolve_stack(1, [0x10010, 0x10801])
+    two = u.resolve_stack(2, [0x50010, 0x50801])
+    assert [f.name for f in one] == ["app+0x3010", "app+0x3801"] == [f.name for f in two]
+    assert all(a is b for a, b in zip(one, two, strict=True))
+    # Past the bound, sharing starts over: equal frames, maybe not the same objects.
+    three = u.resolve_stack(1, [0x10020, 0x10030, 0x10040])
+    assert [f.name for f in three] == ["app+0x3020", "app+0x3030", "app+0x3040"]
+    assert u.resolve_stack(2, [0x50010]) == one[:1]
