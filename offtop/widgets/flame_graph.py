@@ -30,6 +30,7 @@ drawn as plain segments; titles are `Text`, never markup.
 from __future__ import annotations
 
 import zlib
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -133,6 +134,13 @@ class FlameTree:
             first[p] = node
         self._children: dict[int, list[int]] = {}
         self.max_depth = max(self.depths)
+        # Built in lists (appending to them is the fastest), kept as machine
+        # integers: 8 bytes a node each, where a list holds a pointer and an
+        # int object. A graph of 20,000 stacks grouped by process has ~275,000
+        # nodes (41 MB in lists, 17 in arrays), and a live refresh holds the
+        # graph shown while the next one is built.
+        for name in ("parents", "values", "counts", "ends", "_first_child", "_next_sibling"):
+            setattr(self, name, array("q", getattr(self, name)))
 
     def children(self, node: int) -> list[int]:
         """The children of `node`, hottest first (ties by name, so the order is stable)."""
