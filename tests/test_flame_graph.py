@@ -357,3 +357,26 @@ async def test_speed_at_20000_stacks() -> None:
         zoom = time.perf_counter() - t0
         assert zoom < 1.0, f"zoom took {zoom:.2f}s"
         assert graph.zoom_node != 0
+
+
+def test_a_big_tree_keeps_a_few_machine_words_per_node() -> None:
+    """A live flame graph of a busy server's since-start stacks has ~275,000 nodes,
+    and a refresh holds two trees: per-node numbers are kept as machine integers
+    (~8 bytes each), not lists of int objects (~36 bytes each)."""
+    import gc
+    import tracemalloc
+
+    shared = u(*[f"layer{i}" for i in range(29)])
+    # Each stack apart from its outermost frame on: ~30 nodes of its own.
+    stacks = [stack(1000 + i, (i + 1) * 1_000_003, k("schedule"),
+                    (*shared, Frame(f"main{i}", "app"))) for i in range(3000)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tree = FlameTree(stacks)
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(tree) > 90_000
+    assert kept / len(tree) < 80, kept / len(tree)

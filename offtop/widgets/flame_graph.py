@@ -112,12 +112,12 @@ class FlameTree:
         self.key_names: list[str] = [printable(title)]
         # Per node.
         self.keys: list[int] = [0]
-        self.parents: list[int] = [-1]
+        self.parents: list[int] | array[int] = [-1]
         self.depths: list[int] = [0]
-        self.values: list[int] = [0]
-        self.counts: list[int] = [0]
+        self.values: list[int] | array[int] = [0]
+        self.counts: list[int] | array[int] = [0]
         #: The node each stack ends at (its innermost shown frame).
-        self.ends: list[int] = []
+        self.ends: list[int] | array[int] = []
         self._build()
         # Children as linked lists of ints (first child, next sibling): a
         # list per node would be 85,000 containers for 20,000 stacks, and the
@@ -125,8 +125,8 @@ class FlameTree:
         # Sorted child lists are made on demand: the layout visits only the
         # bars wide enough to draw.
         n = len(self.keys)
-        self._first_child = [-1] * n
-        self._next_sibling = [-1] * n
+        self._first_child: list[int] | array[int] = [-1] * n
+        self._next_sibling: list[int] | array[int] = [-1] * n
         first, nxt, parents = self._first_child, self._next_sibling, self.parents
         for node in range(n - 1, 0, -1):
             p = parents[node]
@@ -139,8 +139,11 @@ class FlameTree:
         # int object. A graph of 20,000 stacks grouped by process has ~275,000
         # nodes (41 MB in lists, 17 in arrays), and a live refresh holds the
         # graph shown while the next one is built.
-        for name in ("parents", "values", "counts", "ends", "_first_child", "_next_sibling"):
-            setattr(self, name, array("q", getattr(self, name)))
+        self.parents, self.values, self.counts, self.ends = (
+            array("q", self.parents), array("q", self.values), array("q", self.counts),
+            array("q", self.ends))
+        self._first_child, self._next_sibling = (array("q", self._first_child),
+                                                 array("q", self._next_sibling))
 
     def children(self, node: int) -> list[int]:
         """The children of `node`, hottest first (ties by name, so the order is stable)."""
