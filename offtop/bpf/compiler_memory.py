@@ -17,6 +17,7 @@ offtop's package.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 
 MADV_DONTNEED = 4
@@ -50,13 +51,19 @@ def _compiler_mapped(maps: str) -> bool:
     return _COMPILER_LIBS.search(maps) is not None
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The process's own symbols, libc's among them (loaded once)."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def trim_heap() -> bool:
     """Give the C heap's free pages back to the system: glibc's malloc_trim, which
     walks every arena (each thread that allocates may get one) and returns whole
     free pages inside them too, not only the top. Freed memory is otherwise kept
     at its high-water mark, and the engine's churn (rows, stacks and maps of
     processes come and gone) raises it. False where libc has none (musl)."""
-    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them
+    libc = _libc()
     if not hasattr(libc, "malloc_trim"):
         return False
     libc.malloc_trim(0)
@@ -66,7 +73,7 @@ def trim_heap() -> bool:
 def release_compiler_memory() -> int:
     """Trim the heap and drop clean compiler-library pages; return ranges dropped."""
     trim_heap()
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
     try:
         with open("/proc/self/maps") as f:
             if not _compiler_mapped(f.read()):

@@ -604,7 +604,8 @@ class BpfSource:
             python_failures=dict(python.failures) if python is not None else {},
         )
         stacks.reclaim(live)
-        sweep = self._seq % _SWEEP_INTERVALS == 0
+        # What belongs to processes gone is let go at the stack store's sweeps.
+        sweep = self._seq % StackStore.SWEEP_INTERVALS == 0
         if sweep and usyms is not None:
             usyms.evict()
         stacks.trim()
@@ -649,5 +650,3 @@ def _errors_by_cause(c: Mapping[str, int]) -> tuple[dict[str, int], dict[str, in
 
 
 _SELF_PID = os.getpid()
-#: Every this many intervals, what belongs to processes gone is let go.
-_SWEEP_INTERVALS = 5

@@ -138,7 +138,8 @@ class FlameTree:
         # integers: 8 bytes a node each, where a list holds a pointer and an
         # int object. A graph of 20,000 stacks grouped by process has ~275,000
         # nodes (41 MB in lists, 17 in arrays), and a live refresh holds the
-        # graph shown while the next one is built.
+        # graph shown while the next one is built. `keys` and `depths` stay
+        # lists: their ints are shared (a frame's key id) or cached (small).
         self.parents, self.values, self.counts, self.ends = (
             array("q", self.parents), array("q", self.values), array("q", self.counts),
             array("q", self.ends))
