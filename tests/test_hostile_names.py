@@ -457,7 +457,10 @@ def test_tui_in_a_real_terminal_with_hostile_names(bpf_available: None,
         pytest.fail("tmux is missing: `make test` installs it")
     tmux = Tmux()
     tmux.run("set-option", "-t", "t", "window-size", "manual")
-    tmux.run("resize-window", "-t", "t", "-x", "160", "-y", "45")
+    # Tall enough for all 14 hostile threads in blocked now, where each name is shown
+    # whole (the task table's COMM column cuts the longest escaped name short): at 45
+    # rows it held 8, and which 8 depends on how long each had slept at the refresh.
+    tmux.run("resize-window", "-t", "t", "-x", "160", "-y", "72")
     title_before = tmux.run("display-message", "-t", "t", "-p", "#{pane_title}").strip()
     pids = ",".join(str(h.pid) for h in hostiles)
     try:
