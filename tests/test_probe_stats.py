@@ -24,6 +24,7 @@ def test_a_missed_window_gives_the_last_rate_not_zero() -> None:
     assert stats.interval_result(1.0) == (0, 0) and stats.missed == 1  # nothing known yet
     def interval(start: float, polls: tuple[float, ...]) -> tuple[int, int]:
         """One interval of 1 s from `start`, polled at `polls`: its result."""
+        now[0] = start
         stats.start_interval(start, 1.0)
         for t in polls:
             now[0] = t
@@ -41,3 +42,24 @@ def test_a_missed_window_gives_the_last_rate_not_zero() -> None:
     # 1 ms (counters that may not have moved) is not a measure either.
     assert interval(3.0, (3.999,)) == (2_000_000, 50_000)
     assert stats.missed == 3
+
+
+def test_until_a_window_was_whole_it_opens_at_the_interval_start() -> None:
+    """On a loaded machine the first intervals can pass without a poll in their
+    middle (one step of start-up or of a flood took it all): measured anyway."""
+    now = [0.0]
+    stats = ProbeStats(3, window_s=0.1, clock=lambda: now[0],
+                       read=FakeCounters(now, 2_000_000, 50_000), enable=lambda: -1)
+    stats.start_interval(0.0, 1.0)
+    now[0] = 1.0  # no poll: one step took the whole interval
+    assert stats.interval_result(1.0) == (2_000_000, 50_000)
+    assert stats.missed == 0
+    # Then whole windows in the middle again, as before.
+    now[0] = 1.0
+    stats.start_interval(1.0, 1.0)
+    for t in (1.2, 1.46, 1.57, 1.8):
+        now[0] = t
+        stats.poll(t)
+    now[0] = 2.0
+    assert stats.interval_result(1.0) == (2_000_000, 50_000)
+    assert stats.missed == 0

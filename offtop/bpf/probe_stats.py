@@ -8,7 +8,8 @@ to the interval (window 0: on for the whole run, as bpftop does). An
 interval whose window was missed or cut short (no poll from its middle
 until just before its end: a machine so loaded that one step of the loop
 took the rest of the interval) is given the rate of the last whole window,
-never a false 0 from a window of a few microseconds.
+never a false 0 from a window of a few microseconds. Until a window was
+whole, the window opens at the interval's start, so that there is one.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class ProbeStats:
         self._result = None
         self._opened = False
         self._open_at = start + max(0.0, (interval_s - self._window) / 2)
+        if self._window and self._last is None:
+            # No whole window yet to stand in for a missed one (the first
+            # intervals, which on a loaded machine can pass without a poll in
+            # their middle): on from the start, for the window or the interval.
+            self._opened = True
+            self._turn_on()
 
     def poll(self, now: float) -> None:
         """Open or close the window as the interval goes on."""
@@ -76,7 +83,7 @@ class ProbeStats:
         if not self._opened and now >= self._open_at:
             self._opened = True
             self._turn_on()
-        elif self._fd >= 0 and now - self._on_at >= self._window:
+        elif self._opened and self._result is None and now - self._on_at >= self._window:
             self._close_window(now)
 
     def interval_result(self, elapsed: float) -> tuple[int, int]:
