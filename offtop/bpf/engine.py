@@ -179,6 +179,7 @@ class BpfSource:
         #: Rows carried into an interval without being resolved again (cumulative).
         self.carried = 0
         self._last_tick = 0.0
+        self._cut_at = 0.0  #: when the last sub-tick cut the kernel's sums
         self._last_subtick = 0.0
         self._next_subtick = 0.0
         self._lost_seen = 0
@@ -289,11 +290,10 @@ class BpfSource:
             self._stats.poll(self._clock())
         if stop.is_set():
             return None
-        now = self._clock()
-        self._subtick(now)
-        now = self._clock()
-        elapsed = max(1e-9, now - self._last_tick)
-        self._last_tick = now
+        self._subtick(self._clock())
+        # From cut to cut: the time the sums cover, however long resolving took.
+        elapsed = max(1e-9, self._cut_at - self._last_tick)
+        self._last_tick = self._cut_at
         return self._build(elapsed)
 
     def hurry(self, within_s: float = 0.1) -> None:
@@ -379,6 +379,10 @@ class BpfSource:
         deadline = self._deadline = now + self.config.symbol_budget_s
         self.frames.new_subtick()
         self._read_ring()
+        # The kernel's sums are cut here, next to the ring's read: both end the
+        # sub-tick at one moment, the one an interval's length is taken from.
+        self._cut_at = self._clock()
+        drained = self.probe.drain_aggregates()
         self._control_flood(now)
         self._check_targets()
         if self.frames.python is not None:
@@ -392,7 +396,6 @@ class BpfSource:
             for kept in self._known.values():
                 kept.final = False
         seq = self._seq + 1  # the interval being summed
-        drained = self.probe.drain_aggregates()
         self._sum_rows(drained.keys, drained.sums, drained.row, False, deadline, seq)
         if self._event_acc:
             keys, sums, raws = [], [], []
