@@ -154,6 +154,8 @@ def batch_loop(source: SnapshotSource, fmt: BatchFormat, interval_s: float, coun
                stop: threading.Event, out: Output, *,
                outputs: Outputs, say: Callable[[str], None]) -> int:
     """The run itself (see module docstring); `out` takes the output, `say` stderr lines."""
+    if stop.is_set():  # a signal before the start (early_signal): nothing to start
+        return EXIT_OK
     with exit_at_once_on_signal():
         source.start()
     if stop.is_set():

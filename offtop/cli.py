@@ -188,9 +188,12 @@ def _run_batch(streams: StdStreams, run: _Run) -> int:
 
 def _run_tui(streams: StdStreams, source: SnapshotSource, interval: float,
              fail: Callable[[str, int], int]) -> int:
+    from offtop import early_signal
     from offtop.app import run_app
     from offtop.exit_guard import ExitGuard
 
+    if early_signal.hand_over():  # a Ctrl-C while loading: no screen to put up
+        return EXIT_OK
     errors: list[BaseException] = []
     # Whatever hangs in the TUI's shutdown, the process (and with it the
     # probe) goes away half a second after the app was asked to stop.

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
 
+from offtop import early_signal
 from offtop.cli_args import EXIT_OK, UsageError
 
 STREAM_NAMES = ("stdin", "stdout", "stderr")
@@ -220,9 +221,15 @@ def fd_name(fd: int) -> str:
 @contextlib.contextmanager
 def signal_handlers(handlers: Mapping[int, Callable[[int, FrameType | None], None]]
                     ) -> Iterator[None]:
-    """Install `handlers` (signal -> handler) for the block, then put the old ones back."""
+    """Install `handlers` (signal -> handler) for the block, then put the old ones back.
+
+    A SIGINT that came before, and may have been lost (`early_signal`), is
+    handed to the new handler at once."""
+    lost = signal.SIGINT in handlers and early_signal.hand_over()
     old = {sig: signal.signal(sig, h) for sig, h in handlers.items()}
     try:
+        if lost:
+            handlers[signal.SIGINT](signal.SIGINT, None)
         yield
     finally:
         for sig, h in old.items():

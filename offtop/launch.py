@@ -5,7 +5,8 @@ seconds on a loaded machine. Python's default SIGINT handler raises
 KeyboardInterrupt wherever the import is; without this, that showed as a
 traceback. Nothing has started yet, so there is nothing to undo or say:
 status 0, as for any stop by signal. (SIGTERM and SIGHUP end the process by
-default in that window, silently too.)
+default in that window, silently too.) A Ctrl-C whose KeyboardInterrupt
+Python dropped is noted all the same (`offtop.early_signal`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,13 @@ from __future__ import annotations
 
 def main() -> int:
     """The console entry point (see pyproject.toml)."""
+    from offtop import early_signal
+
+    early_signal.install()  # a Ctrl-C lost within an import is still seen
     try:
         from offtop.cli import main as cli_main
     except KeyboardInterrupt:
+        return 0
+    if early_signal.noted():
         return 0
     return cli_main()
