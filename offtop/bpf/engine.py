@@ -142,7 +142,7 @@ class BpfSource:
         self._ksyms = kernel_symbols
         self._usyms = user_symbols
         self._procinfo = process_info or ProcessInfoCache()
-        self.probe = Probe(config)
+        self.probe = Probe(config, clock=clock)
         self.flood = FloodControl(config.event_budget_per_s)
         self.targets = TargetWatch(config.pids, config.tids, config.cgroup)
         self._cgroup_rel = cgroup_relative(config.cgroup) if config.cgroup else "/"
@@ -180,6 +180,7 @@ class BpfSource:
         self.carried = 0
         self._last_tick = 0.0
         self._cut_at = 0.0  #: when the last sub-tick cut the kernel's sums
+        self._interval_base = 0.0  #: when the last interval's resolving was done
         self._last_subtick = 0.0
         self._next_subtick = 0.0
         self._lost_seen = 0
@@ -250,7 +251,7 @@ class BpfSource:
         self.before.seed()
         self.frames.unwind_before_start(cfg.unwind_budget_s)
         release_compiler_memory()
-        self._last_tick = self._last_subtick = armed
+        self._last_tick = self._last_subtick = self._interval_base = armed
         self._next_subtick = armed + cfg.subtick_s
 
     def _in_scope(self, pid: int, tid: int) -> bool:
@@ -271,8 +272,8 @@ class BpfSource:
             # The first snapshot comes early so users see data at once; its
             # interval_s says how long it really covered.
             interval_s = min(interval_s, self.config.first_interval_s)
-        end = self._last_tick + interval_s
-        self._stats.start_interval(self._last_tick, interval_s)
+        end = self._interval_base + interval_s
+        self._stats.start_interval(self._interval_base, interval_s)
         now = self._clock()
         if end < now - interval_s:  # fell far behind (e.g. the process was stopped)
             end = now
@@ -291,7 +292,10 @@ class BpfSource:
         if stop.is_set():
             return None
         self._subtick(self._clock())
-        # From cut to cut: the time the sums cover, however long resolving took.
+        # The next interval runs its full length from here, after the resolving
+        # (on a loaded machine each keeps its sub-ticks' time to resolve).
+        self._interval_base = self._clock()
+        # Its length: from cut to cut, the time the sums cover.
         elapsed = max(1e-9, self._cut_at - self._last_tick)
         self._last_tick = self._cut_at
         return self._build(elapsed)
@@ -380,8 +384,9 @@ class BpfSource:
         self.frames.new_subtick()
         self._read_ring()
         # The kernel's sums are cut here, next to the ring's read: both end the
-        # sub-tick at one moment, the one an interval's length is taken from.
-        self._cut_at = self._clock()
+        # sub-tick at one moment, the one an interval's length is taken from
+        # (or, once a stop came, the moment the probe stopped recording).
+        self._cut_at = min(self._clock(), self.probe.stopped_at)
         drained = self.probe.drain_aggregates()
         self._control_flood(now)
         self._check_targets()

@@ -13,12 +13,13 @@ and `detach_soon` may be called from another thread than the one that reads.
 from __future__ import annotations
 
 import ctypes as ct
+import math
 import mmap
 import os
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -40,7 +41,7 @@ from offtop.bpf.decode import (
 from offtop.bpf.loader.cache import DEFAULT_DIR, ArtifactCache
 from offtop.bpf.loader.kernel import LoadedObject, LoadFailed
 from offtop.bpf.loader.load import Compile, LoadReport, load_object
-from offtop.bpf.maps import BPF_NOEXIST, BpfMap, ElementReader
+from offtop.bpf.maps import BPF_NOEXIST, BpfMap, ElementReader, MapError
 from offtop.bpf.task_regs import ITERATOR, TaskRegisters, UserRegs
 
 PROBE_FUNCTION = "tracepoint__sched__sched_switch"
@@ -124,8 +125,12 @@ class Probe:
     """The BPF side of offtop (see offcpu.c), behind a small API."""
 
     def __init__(self, config: EngineConfig, *, cache: ArtifactCache | None = None,
-                 compile: Compile | None = None) -> None:
+                 compile: Compile | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._clock = clock
+        #: When recording stopped (`detach_soon`), on `clock`; inf while it records.
+        self.stopped_at = math.inf
         self.cache = cache if cache is not None else default_cache()
         self._compile = compile
         self._obj: LoadedObject | None = None
@@ -211,16 +216,23 @@ class Probe:
 
         def detach_when_asked() -> None:
             self._detach_asked.wait()
-            obj.detach_all()
+            try:
+                # Disarmed first: recording ends now, not once the (slow) detach is done.
+                obj.maps["offtop_config"].update(_U32.pack(CFG_ARMED), _U64.pack(0))
+                self.stopped_at = self._clock()
+            except MapError:
+                pass  # then recording ends with the detach
+            finally:
+                obj.detach_all()
 
         self._detacher = threading.Thread(target=detach_when_asked, name="offtop-detacher",
                                           daemon=True)
         self._detacher.start()
 
     def detach_soon(self) -> None:
-        """Stop recording now: the tracepoints are detached in the background (see
-        `arm`); maps stay readable until `close`. Callable from a signal handler
-        or any thread."""
+        """Stop recording now: the program is disarmed and the tracepoints detached in
+        the background (see `arm`; `stopped_at` says when recording ended); maps stay
+        readable until `close`. Callable from a signal handler or any thread."""
         self._detach_asked.set()
 
     def close(self) -> None:
