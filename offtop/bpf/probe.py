@@ -218,7 +218,7 @@ class Probe:
             self._detach_asked.wait()
             try:
                 # Disarmed first: recording ends now, not once the (slow) detach is done.
-                obj.maps["offtop_config"].update(_U32.pack(CFG_ARMED), _U64.pack(0))
+                self._config_slot(CFG_ARMED, 0)  # self._obj stays until close() joins
                 self.stopped_at = self._clock()
             except MapError:
                 pass  # then recording ends with the detach
