@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import stat
 import sys
@@ -116,13 +117,13 @@ class StdStreams:
         # One line, always: a message from below (bcc, the kernel) may hold newlines.
         line = "offtop: " + " ".join(message.split()) + "\n"
         with contextlib.suppress(OSError, ValueError, OutputError), \
-                ReportWriter(2, budget_s=0.2) as w:
+                ReportWriter(2, idle_s=0.2, total_s=0.2) as w:
             w.stop_requested()  # 0.2 s at most: stderr may be a pipe nobody reads
             w.write(line)
 
 
 class OutputStalled(Exception):
-    """A write that outlived its budget after a stop request (the reader is not reading)."""
+    """A write the reader stopped taking after a stop request."""
 
 
 class OutputError(Exception):
@@ -130,29 +131,37 @@ class OutputError(Exception):
 
 
 class ReportWriter:
-    """Writes whole reports to a file descriptor; after a stop request, within a time budget.
+    """Writes whole reports to a file descriptor; after a stop request, while the reader reads.
 
     A write(2) blocked on a full pipe is restarted after a signal handler
     returns (PEP 475), so with a reader that never reads, SIGTERM would wait
-    for that reader forever. Once a stop is requested, a real-time timer
-    bounds the writing that is left: what can be written within `budget_s`
-    is (a line being taken by a slow reader is finished), then the write
-    in progress is abandoned and `stalled` is set; later writes are skipped.
+    for that reader forever. Reports go out in chunks of one page, each
+    write(2) either done or blocked as a whole (PIPE_BUF). Once a stop is
+    requested, a real-time timer bounds each chunk: a reader that takes a
+    chunk within `idle_s` gets the next one, so a slow but live reader still
+    gets the last report whole; one that takes nothing for `idle_s`, or is
+    still taking after `total_s`, is given up on: the write in progress is
+    abandoned and `stalled` is set; later writes are skipped.
     Writes go to the fd directly: CPython's buffered writer can drop data
     when a signal handler runs while it is blocked.
 
     Use it as a context manager (it owns SIGALRM meanwhile), on the main thread.
     """
 
-    def __init__(self, fd: int, *, budget_s: float = 0.25, name: str | None = None) -> None:
+    CHUNK = select.PIPE_BUF
+    """Bytes per write(2): a pipe takes them all at once or none."""
+
+    def __init__(self, fd: int, *, idle_s: float = 0.25, total_s: float = 2.0,
+                 name: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.fd = fd
         self.name = name or fd_name(fd)
         """How messages name the output (stdout, -o FILE)."""
         self.stalled = False
-        self._budget = budget_s
-        self._stopping = False
+        self._idle = idle_s
+        self._total = total_s
+        self._clock = clock
+        self._deadline: float | None = None  # set by the stop request
         self._writing = False
-        self._armed_at = 0.0
         self._old_alarm: Callable[[int, FrameType | None], object] | int | None = None
 
     def __enter__(self) -> ReportWriter:
@@ -165,23 +174,24 @@ class ReportWriter:
 
     def stop_requested(self) -> None:
         """Called from a signal handler: bound the write in progress and every later one."""
-        if not self._stopping:
-            self._stopping = True
+        if self._deadline is None:
+            self._deadline = self._clock() + self._total
             if self._writing:
                 self._arm()
 
     def write(self, text: str | bytes) -> None:
-        """All of `text`, unless a stop was requested and the budget runs out first."""
+        """All of `text`, unless a stop was requested and the reader stops taking it."""
         if self.stalled:
             return
         data = memoryview(text if isinstance(text, bytes)
                           else text.encode("utf-8", errors="replace"))
         try:
             self._writing = True
-            if self._stopping:
-                self._arm()
             while data:
-                n = os.write(self.fd, data)  # may be partial
+                if self._deadline is not None:
+                    self._arm()
+                n = os.write(self.fd, data[:self.CHUNK])
+                self._disarm()
                 data = data[n:]
         except OutputStalled:
             self.stalled = True
@@ -194,16 +204,15 @@ class ReportWriter:
             self._disarm()
 
     def _arm(self) -> None:
-        if self._budget <= 0:
+        assert self._deadline is not None
+        left = min(self._idle, self._deadline - self._clock())
+        if left <= 0:
             raise OutputStalled
-        self._armed_at = time.monotonic()
-        signal.setitimer(signal.ITIMER_REAL, self._budget)
+        signal.setitimer(signal.ITIMER_REAL, left)
 
     def _disarm(self) -> None:
-        if self._armed_at:
+        if self._deadline is not None:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            self._budget -= time.monotonic() - self._armed_at
-            self._armed_at = 0.0
 
     def _on_alarm(self, signum: int, frame: FrameType | None) -> None:
         if self._writing:
