@@ -123,7 +123,7 @@ def compile_c(src: Path, out: Path, libs: Sequence[str] = ()) -> Path:
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise BenchError("no C compiler: `make bench` installs gcc")
-
+    out.parent.mkdir(parents=True, exist_ok=True)  # a benchmark run alone, on a fresh clone
     subprocess.run([cc, "-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-o", str(out), str(src), *libs],
                    check=True)
     return out
