@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import signal
 import sys
-from types import FrameType
-from typing import Any
+
+TYPE_CHECKING = False  # typing itself is not imported: ~2.5 ms more of a window Python owns
+if TYPE_CHECKING:
+    from types import FrameType
+    from typing import Any
 
 _noted = False
 _python_unraisable = sys.unraisablehook
