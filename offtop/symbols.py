@@ -41,6 +41,7 @@ from offtop.elf import TIME_BUDGET, ElfCache, ElfSymbols
 from offtop.model import MARK_TRUNCATED, Frame
 from offtop.safe_files import UNREADABLE, FileRefused, open_regular, read_proc_file
 from offtop.safe_text import decode
+from offtop.targets import task_start_time
 
 #: Kernel frames added by the tracer itself, stripped from the innermost end.
 TRACER_FRAME_PREFIXES = (
@@ -66,21 +67,6 @@ def strip_tracer_frames(frames: Sequence[Frame]) -> tuple[Frame, ...]:
     while i < len(frames) and is_tracer_frame(frames[i].name):
         i += 1
     return tuple(frames[i:])
-
-
-def process_start_time(pid: int) -> int | None:
-    """The start time of a process in clock ticks since boot, or None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # comm may contain spaces and ')': split after the last ')'.
-    rest = data[data.rfind(b")") + 2:].split()
-    try:
-        return int(rest[19])
-    except (IndexError, ValueError):
-        return None
 
 
 #: kallsyms' types of text symbols (functions), as bytes' ints.
@@ -390,6 +376,7 @@ class _Proc:
     maps: list[Mapping]
     starts: list[int]
     maps_read_at: float
+    files: list[Mapping] | None = None  # the file mappings of `maps`, made at first ask
     frames: dict[int, Frame] = field(default_factory=dict)
     dead_since: float | None = None
     perf_map: PerfMap | None = None
@@ -407,7 +394,7 @@ class UserSymbols:
         max_frames: int = 1 << 20,
         max_shared: int = 1 << 17,
         clock: Callable[[], float] = time.monotonic,
-        start_time: Callable[[int], int | None] = process_start_time,
+        start_time: Callable[[int], int | None] = task_start_time,
         maps: Callable[[int], list[Mapping]] | None = None,
         elf_cache: ElfCache | None = None,
         proc: str = "/proc",
@@ -473,6 +460,19 @@ class UserSymbols:
     def see(self, pid: int) -> None:
         """Read a process's memory map at first sight, while it is alive."""
         self._proc(pid)
+
+    def file_mappings(self, pid: int, addr: int, start: int | None = None) -> list[Mapping]:
+        """The process's executable file mappings, for unwinding near `addr`: the
+        ones its symbols come from (one read of /proc/PID/maps for both), read
+        again as for a symbol, if `addr` lies outside them. The same list until
+        then, so that callers may key their own caches by it. [] if it is gone."""
+        p = self._proc(pid, start or None)
+        if p is None:
+            return []
+        self._mapping(pid, p, addr, None)
+        if p.files is None:
+            p.files = [m for m in p.maps if m.handle]
+        return p.files
 
     def resolve_stack(self, pid: int, addrs: Iterable[int], *,
                       deadline: float | None = None, start: int | None = None
@@ -550,6 +550,7 @@ class UserSymbols:
             p.maps = self._read_maps(pid)
             p.starts = [m.start for m in p.maps]
             p.maps_read_at = now
+            p.files = None
             i = bisect.bisect_right(p.starts, addr) - 1
             if i >= 0 and addr < p.maps[i].end:
                 return p.maps[i]
@@ -628,12 +629,15 @@ class UserSymbols:
             self._errors[cause] += 1
         return p.perf_map.lookup(addr), complete
 
-    def evict(self, *, force: bool = False) -> int:
-        """Forget processes dead for longer than the grace period; return how many."""
+    def evict(self, *, force: bool = False,
+              start_time: Callable[[int], int | None] | None = None) -> int:
+        """Forget processes dead for longer than the grace period; return how many.
+        `start_time`: the sweep's reader of start times, if not this object's."""
         now = self._clock()
+        start_time = start_time or self._start_time
         gone = []
         for pid, p in self._procs.items():
-            if p.dead_since is None and self._start_time(pid) != p.start:
+            if p.dead_since is None and start_time(pid) != p.start:
                 p.dead_since = now - (self._grace if force else 0)
             if p.dead_since is not None and now - p.dead_since >= self._grace:
                 gone.append(pid)

@@ -134,3 +134,21 @@ def test_user_ids_of_processes_gone_are_deleted_a_sweep_after_they_were_found_go
     assert maps.deleted == [("u", 0)]  # id 1 is 200's too
     assert s.stats.user_freed == 1 and s.last_use("u", 0) is None
     assert s.user(200, 9, 1) == (Frame("u401001"),)
+
+
+def test_a_sweep_reads_start_times_through_the_reader_it_is_given() -> None:
+    """The engine reads each process's start time once for all of an interval's
+    sweeps (the stack store's, the symbols', the totals'): a sweep asks the reader
+    it is given, not its own."""
+    def own(pid: int) -> int | None:
+        raise AssertionError("the store's own reader was asked")
+
+    maps = FakeStackMaps(range(0), range(4))
+    s = StackStore(maps, kernel_symbols=None, user_symbols=FakeUserSymbols(),  # type: ignore[arg-type]
+                   capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64, start_time=own)
+    s.next_interval(1)
+    assert s.user(100, 7, 0)
+    asked: list[int] = []
+    s.next_interval(5)
+    s.trim(lambda pid: asked.append(pid) or None)
+    assert asked == [100]

@@ -443,6 +443,47 @@ def test_a_library_mapped_later_is_found_once_maps_are_read_again(tmp_path: Path
     assert u.errors == {UNTRUSTED: 2, "unreadable": 1}
 
 
+def test_file_mappings_are_the_symbols_own_read_and_the_same_list_until_read_again(
+        tmp_path: Path) -> None:
+    """The repair's unwinding asks for a process's file mappings: one read of
+    /proc/PID/maps serves it and the symbols, and the list stays the same object
+    (its table lookups are kept by it) until an address outside it reads again."""
+    now = [0.0]
+    maps = [Mapping(0x1000, 0x2000, 0, "/lib/a.so", str(tmp_path / "a")),
+            Mapping(0x3000, 0x4000, 0, "[vdso]", "")]
+    reads = [0]
+
+    def read(pid: int) -> list[Mapping]:
+        reads[0] += 1
+        return list(maps)
+
+    u = UserSymbols(start_time=lambda pid: 1, maps=read, clock=lambda: now[0])
+    files = u.file_mappings(3, 0x1010)
+    assert [m.path for m in files] == ["/lib/a.so"]  # files only: anonymous memory has no table
+    u.resolve_stack(3, [0x1010, 0x1020])
+    assert u.file_mappings(3, 0x1800) is files and reads[0] == 1
+    maps.append(Mapping(0x5000, 0x6000, 0, "/lib/b.so", str(tmp_path / "b")))
+    assert u.file_mappings(3, 0x5010) is files  # outside, within a second: not read yet
+    now[0] = 1.5
+    again = u.file_mappings(3, 0x5010)
+    assert reads[0] == 2 and again is not files
+    assert [m.path for m in again] == ["/lib/a.so", "/lib/b.so"]
+    assert UserSymbols(start_time=lambda pid: None, maps=read).file_mappings(4, 0x1010) == []
+
+
+def test_evict_asks_the_sweeps_reader_of_start_times_when_given_one(tmp_path: Path) -> None:
+    maps = [Mapping(0x1000, 0x2000, 0, "/lib/a.so", str(tmp_path / "a"))]
+
+    def own(pid: int) -> int | None:
+        return 1
+
+    u = UserSymbols(start_time=own, maps=lambda pid: maps, grace_s=0.0)
+    u.resolve_stack(3, [0x1010])
+    assert u.cached_processes == 1
+    assert u.evict(start_time=lambda pid: None) == 1  # gone, says the sweep's reader
+    assert u.cached_processes == 0
+
+
 def test_cached_frames_stay_bounded_whatever_a_process_does(tmp_path: Path) -> None:
     maps = [Mapping(0x100000, 0x10000000, 0, "/lib/big.so", str(tmp_path / "missing"))]
     u = UserSymbols(start_time=lambda pid: 1, maps=lambda pid: maps, max_frames=1000)

@@ -467,6 +467,28 @@ def _walker(spans: list[tuple[int, int, Rule]], words: dict[int, int], **kw: obj
                     memory=lambda pid, lim: FakeMemory(words), **kw)  # type: ignore[arg-type]
 
 
+def test_rule_lookups_find_a_files_table_once_per_mapping_while_the_mappings_hold() -> None:
+    """The repair asks a rule for every new pc of a process; each table lookup stats
+    the file. With the same mappings passed (the symbolizer's list), once per
+    mapping; new mappings (read again, or another process) look again."""
+    looked: list[str] = []
+    table = FakeTable([(0x401000, 0x401100, _rule(off=16))])
+
+    class Counting(FakeTables):
+        def get(self, path: str) -> FileTable | None:
+            looked.append(path)
+            return super().get(path)
+
+    u = Unwinder(Counting(table))  # type: ignore[arg-type]
+    maps = list(MAPS)
+    for pc in (0x401010, 0x401020, 0x401030):
+        assert u.rule_for(1, pc, exact=True, maps=maps) == _rule(off=16)
+    assert looked == ["fake"]
+    u.rule_for(2, 0x401010, exact=True, maps=maps)  # another process
+    u.rule_for(1, 0x401010, exact=True, maps=list(MAPS))  # process 1's mappings read again
+    assert looked == ["fake"] * 3
+
+
 def test_walk_to_the_outermost_frame_looking_callers_up_at_ra_minus_1() -> None:
     # The caller's return address 0x402010 is the first byte of the next
     # function (a call to a noreturn function ends the caller): looked up at

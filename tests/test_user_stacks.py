@@ -35,13 +35,15 @@ class FakeProbe:
 
 
 def repair_with(probe: FakeProbe, max_rules: int = 65_536,
-                maps_read: list[int] | None = None, clock: Any = None) -> UserStackRepair:
-    def maps(pid: int) -> list[Any]:
-        if maps_read is not None:
-            maps_read.append(pid)
-        return [ExecMapping(0x1000, 0x3000, 0, "/bin/x", "")]
+                maps_asked: list[tuple[int, int, int]] | None = None) -> UserStackRepair:
+    mapped = [ExecMapping(0x1000, 0x3000, 0, "/bin/x", "")]
+
+    def maps(pid: int, pc: int, start: int) -> list[Any]:
+        if maps_asked is not None:
+            maps_asked.append((pid, pc, start))
+        return mapped
     return UserStackRepair(FakeUnwinder(), probe.teach, forget=probe.forget,  # type: ignore[arg-type]
-                           max_rules=max_rules, maps=maps, clock=clock or (lambda: 0.0))
+                           max_rules=max_rules, maps=maps)
 
 
 def test_a_gone_process_gives_its_rules_back_to_the_budget() -> None:
@@ -75,16 +77,12 @@ def test_a_reused_pid_never_keeps_the_dead_process_rules() -> None:
     assert probe.forgotten == [{100}]
 
 
-def test_memory_maps_are_read_once_and_again_only_for_an_address_outside_them() -> None:
+def test_mappings_are_asked_with_the_process_start_time_the_repair_knows() -> None:
+    """The mappings come from the symbolizer (UserSymbols.file_mappings), per process:
+    asked with the start time the repair was given, so both see the same process."""
     probe = FakeProbe()
-    reads: list[int] = []
-    now = [0.0]
-    repair = repair_with(probe, maps_read=reads, clock=lambda: now[0])
+    asked: list[tuple[int, int, int]] = []
+    repair = repair_with(probe, maps_asked=asked)
     repair.repair(100, (0x1000, 0x2000), start=7)
-    repair.repair(100, (0x1100, 0x2100), start=7)
-    assert reads == [100]
-    repair.repair(100, (0x1200, 0x5000), start=7)  # outside: mapped since? not yet a second
-    assert reads == [100]
-    now[0] = 1.5
-    repair.repair(100, (0x1300, 0x5100), start=7)
-    assert reads == [100, 100]
+    assert asked and all(pid == 100 and start == 7 for pid, _, start in asked)
+    assert {pc for _, pc, _ in asked} == {0x1000, 0x2000}

@@ -15,6 +15,7 @@ is read in bounded batches and symbolizing has a time budget per sub-tick.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -238,7 +239,7 @@ class BpfSource:
                                                   budget_s=cfg.python_budget_s)
             repair = UserStackRepair(unwinder, self.probe.set_unwind_rule,
                                      forget=self.probe.forget_unwind_rules,
-                                     max_rules=cfg.unwind_rules)
+                                     maps=self._usyms.file_mappings, max_rules=cfg.unwind_rules)
         self.frames.stacks = StackStore(
             self.probe, kernel_symbols=self._ksyms, user_symbols=self._usyms, repair=repair,
             capacity={"k": cfg.stack_entries, "u": cfg.ustack_entries},
@@ -612,11 +613,14 @@ class BpfSource:
             python_failures=dict(python.failures) if python is not None else {},
         )
         stacks.reclaim(live)
-        # What belongs to processes gone is let go at the stack store's sweeps.
+        # What belongs to processes gone is let go at the sweeps: the stack
+        # store's, the symbols' and the totals'. Each process's start time is
+        # read once for all of them (they know the same processes).
+        start_time = functools.cache(task_start_time)
         sweep = self._seq % StackStore.SWEEP_INTERVALS == 0
         if sweep and usyms is not None:
-            usyms.evict()
-        stacks.trim()
+            usyms.evict(start_time=start_time)
+        stacks.trim(start_time)
         snap = self.aggregator.build_raw(
             self._samples(rows),
             time=time.time(),
@@ -630,7 +634,7 @@ class BpfSource:
             finished=self._finished,
         )
         if sweep:
-            self.aggregator.forget_gone(task_start_time)
+            self.aggregator.forget_gone(start_time)
             trim_heap()
         return snap
 

@@ -269,34 +269,35 @@ class StackStore:
         return {k for k, used in self._last_use.items()
                 if len(used) >= self._capacity.get(k, 0) // 2}
 
-    def trim(self) -> None:
+    def trim(self, start_time: Callable[[int], int | None] | None = None) -> None:
         """Bound the frame cache (called once per interval).
 
         Incomplete stacks not asked for since they were due to be looked at
         again belong to processes that are gone, most likely: dropped.
+        `start_time`: the interval's reader of start times, if not this object's.
         """
         stale = [k for k, due in self._retry.items() if due < self._seq]
         for k in stale:
             del self._retry[k]
             self._frames.pop(k, None)
         if self._seq % self.SWEEP_INTERVALS == 0:
-            self._sweep_gone()
+            self._sweep_gone(start_time or self._start_time)
         if len(self._frames) > self._max_cached:
             self.generation += 1
             self._frames.clear()
             self._retry.clear()
 
-    def _sweep_gone(self) -> None:
+    def _sweep_gone(self, start_time: Callable[[int], int | None]) -> None:
         """Drop the user frames of processes that are gone (a pid and its start
         time name a process): with process churn they would pile up until the
         cache's bound, holding every dead process's frames."""
         if self._repair is not None:
-            self._repair.sweep(self._start_time)
+            self._repair.sweep(start_time)
         ids_of: dict[tuple[int, int], set[int]] = {}  # process -> its user stack ids
         for kind, sid, pid, start in self._frames:
             if kind == "u":
                 ids_of.setdefault((pid, start), set()).add(sid)
-        gone = {p for p in ids_of if not p[1] or self._start_time(p[0]) != p[1]}
+        gone = {p for p in ids_of if not p[1] or start_time(p[0]) != p[1]}
         alive_ids = set().union(*[ids for p, ids in ids_of.items() if p not in gone])
         # The ids of processes found gone at the sweep before (a row summed
         # just before its process ended is read within a sub-tick) and used

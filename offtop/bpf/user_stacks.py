@@ -18,16 +18,13 @@ mapping are cut by the symbolizer.
 
 from __future__ import annotations
 
-import bisect
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from offtop.bpf.decode import FP_FRAME_TAG
-from offtop.symbols import REREAD_S
 from offtop.unwind import Unwinder
-from offtop.unwind.maps import ExecMapping, read_exec_maps
 from offtop.unwind.rules import CfaKind, RegKind, Rule
+from offtop.unwind.unwinder import FileMapping
 
 # offcpu.c RULE_*: how the probe steps from a pc to its caller.
 RULE_RSP, RULE_RBP, RULE_OUTERMOST, RULE_FP = 1, 2, 3, 4
@@ -66,7 +63,10 @@ class UserStackRepair:
     """Checks probe user stacks and teaches the probe rules (see the module docstring).
 
     `teach(tgid, pc, packed_rule)` writes a rule into the probe and
-    `forget(rules)` deletes these (tgid, pc) rules there. Rules are
+    `forget(rules)` deletes these (tgid, pc) rules there. `maps(pid, pc,
+    start)` gives the process's executable file mappings around pc: the
+    symbolizer's (`UserSymbols.file_mappings`), so /proc/PID/maps is read once
+    for both, the same list while it holds. Rules are
     per process (its pid and start time): once it is gone (`sweep`), or its
     pid is another process's (seen at `repair`), its rules are deleted on
     both sides, so that with process churn the budget of `max_rules` goes
@@ -81,21 +81,17 @@ class UserStackRepair:
         teach: Callable[[int, int, int], None],
         *,
         forget: Callable[[Iterable[tuple[int, int]]], object] = lambda rules: None,
+        maps: Callable[[int, int, int], Sequence[FileMapping]],
         max_rules: int = 65_536,
-        maps: Callable[[int], list[ExecMapping]] = read_exec_maps,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._unwinder = unwinder
         self._teach = teach
         self._forget = forget
         self._max_rules = max_rules
-        self._read_maps = maps
-        self._clock = clock
+        self._maps = maps
         self._taught: dict[int, set[int]] = {}
         self._starts: dict[int, int] = {}  # pid -> start time of the process taught
         self._count = 0
-        # pid -> (when read, its executable mappings, their starts)
-        self._maps: dict[int, tuple[float, list[ExecMapping], list[int]]] = {}
         # pid -> (address, first frame?) -> does the frame keep rbp as its base?
         self._keeps_fp: dict[int, dict[tuple[int, bool], bool]] = {}
         self._keeps_count = 0
@@ -119,7 +115,6 @@ class UserStackRepair:
             self._count -= len(taught)
             rules += [(pid, pc) for pc in taught]
             self._starts.pop(pid, None)
-            self._maps.pop(pid, None)
             self._keeps_count -= len(self._keeps_fp.pop(pid, ()))
         if rules:
             self._forget(rules)
@@ -129,22 +124,8 @@ class UserStackRepair:
         self.forget_processes({pid for pid in self._taught
                                if start_time(pid) != self._starts.get(pid)})
 
-    def _maps_of(self, pid: int, addr: int) -> list[ExecMapping]:
-        """The process's executable mappings: read at first need, and again (at
-        most once a second) for an address outside them (mapped since: dlopen)."""
-        now = self._clock()
-        known = self._maps.get(pid)
-        if known is not None:
-            read_at, maps, starts = known
-            i = bisect.bisect_right(starts, addr) - 1
-            if (i >= 0 and addr < maps[i].end) or now - read_at < REREAD_S:
-                return maps
-        maps = self._read_maps(pid)
-        self._maps[pid] = (now, maps, [m.start for m in maps])
-        return maps
-
     def _rule(self, pid: int, addr: int, first: bool) -> Rule | None:
-        maps = self._maps_of(pid, addr)
+        maps = self._maps(pid, addr, self._starts.get(pid, 0))
         return self._unwinder.rule_for(pid, addr, exact=first, maps=maps)
 
     def repair(self, pid: int, addrs: tuple[int, ...], start: int = 0

@@ -41,7 +41,7 @@ from offtop.pystacks.offsets import (
     debug_offsets_version,
 )
 from offtop.pystacks.reader import ProcessReader
-from offtop.symbols import process_start_time
+from offtop.targets import task_start_time
 
 
 @dataclass(slots=True)
@@ -73,7 +73,7 @@ class PythonStacks:
         proc: str = "/proc",
         clock: Callable[[], float] = time.monotonic,
         finder: InterpreterFinder | None = None,
-        start_time: Callable[[int], int | None] = process_start_time,
+        start_time: Callable[[int], int | None] = task_start_time,
     ) -> None:
         self.budget_s = budget_s
         self.max_depth = max_depth

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
 from offtop.unwind.cache import TableCache
-from offtop.unwind.maps import ExecMapping as FileMapping
 from offtop.unwind.maps import read_exec_maps
 from offtop.unwind.memory import StackReader
 from offtop.unwind.regs import read_syscall_regs
@@ -76,6 +75,10 @@ class UnwindLimits:
     max_stack_pages: int = 64  #: 256 KiB of stack read at most
 
 
+#: Processes whose rule-lookup walk is kept (each holds its mappings' tables).
+MAX_RULE_WALKS = 1024
+
+
 class WordReader(Protocol):
     """Reads a process's memory for one walk (StackReader, or a fake in tests)."""
 
@@ -103,6 +106,20 @@ class SavedRegs(Protocol):
     def bp(self) -> int: ...
 
 
+class FileMapping(Protocol):
+    """An executable file mapping: [start, end) maps the file from `offset`, opened
+    by `handle` (unwind.maps.ExecMapping, or the symbolizer's Mapping)."""
+
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def handle(self) -> str: ...
+
+
 class TableSource(Protocol):
     """Where a walk gets a file's table from (TableCache, or a fake in tests)."""
 
@@ -113,7 +130,7 @@ class TableSource(Protocol):
 class _Walk:
     """The state of one walk: memory, mappings, per-mapping tables."""
 
-    def __init__(self, mem: WordReader, maps: list[FileMapping], tables: TableSource) -> None:
+    def __init__(self, mem: WordReader, maps: Sequence[FileMapping], tables: TableSource) -> None:
         self.mem = mem
         self.maps = maps
         self.starts = [m.start for m in maps]
@@ -145,7 +162,7 @@ class Unwinder:
     """
 
     def __init__(self, tables: TableSource | None = None, *, limits: UnwindLimits | None = None,
-                 maps: Callable[[int], list[FileMapping]] = read_exec_maps,
+                 maps: Callable[[int], Sequence[FileMapping]] = read_exec_maps,
                  memory: Callable[[int, UnwindLimits], WordReader] = stack_reader,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.tables: TableSource = tables if tables is not None else TableCache()
@@ -158,10 +175,11 @@ class Unwinder:
         self.unwinds = 0
         self.frames = 0
         self.saved_rbp = 0  #: blocked walks that took rbp from the kernel's saved registers
+        self._rule_walks: dict[int, _Walk] = {}  # pid -> the walk rule_for looks up in
 
     def unwind(self, pid: int, tid: int, pc: int, sp: int, bp: int | None = None, *,
                regs: Mapping[int, int] | None = None,
-               maps: list[FileMapping] | None = None) -> UnwindResult:
+               maps: Sequence[FileMapping] | None = None) -> UnwindResult:
         """Walk the stack of thread `tid` of process `pid` from pc, sp (and rbp if known).
 
         `regs` are further registers of the first frame by DWARF number (the
@@ -209,13 +227,13 @@ class Unwinder:
         return result
 
     def rule_for(self, pid: int, addr: int, *, exact: bool,
-                 maps: list[FileMapping] | None = None) -> Rule | None:
+                 maps: Sequence[FileMapping] | None = None) -> Rule | None:
         """The call-frame rule of the function at `addr` in process `pid`.
 
         `exact`: `addr` is where a thread stopped (the leaf's pc); otherwise a
         return address, looked up at `addr - 1`. None when no table covers it.
         """
-        walk = _Walk(_NoMemory(), self._read_maps(pid) if maps is None else maps, self.tables)
+        walk = self._rule_walk(pid, maps)
         m = walk.mapping(addr)
         if m is None:
             return None
@@ -223,6 +241,19 @@ class Unwinder:
         if rule is None or isinstance(rule, bool) or rule.cfa == CfaKind.NONE:
             return None
         return rule
+
+    def _rule_walk(self, pid: int, maps: Sequence[FileMapping] | None) -> _Walk:
+        """A walk without memory for rule lookups: one per process while its caller
+        passes the same mappings, so a file's table is looked up (a stat() each)
+        once per mapping, not once per pc."""
+        if maps is None:
+            return _Walk(_NoMemory(), self._read_maps(pid), self.tables)
+        walk = self._rule_walks.get(pid)
+        if walk is None or walk.maps is not maps:  # another process, or mappings read again
+            if len(self._rule_walks) >= MAX_RULE_WALKS:
+                self._rule_walks.clear()
+            walk = self._rule_walks[pid] = _Walk(_NoMemory(), maps, self.tables)
+        return walk
 
     def counters(self) -> dict[str, int]:
         """Every count, flat, for the engine's statistics: walks, frames, stops by
