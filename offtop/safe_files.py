@@ -176,6 +176,19 @@ def _check(st: os.stat_result, max_size: int | None, owners: Collection[int] | N
         raise FileRefused(TOO_LARGE, f"{st.st_size} bytes")
 
 
+def read_proc_small(path: str, limit: int = 4096) -> bytes:
+    """The first `limit` bytes of a small file /proc makes itself (a task's stat or
+    comm; never a path a process can point elsewhere, such as map_files): one
+    open, one read, one close. Python's open() adds fstat, ioctl and lseek to each,
+    and offtop reads a few hundred such files a second on a busy server. OSError
+    if it cannot be read (the task is gone)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
 def read_proc_file(path: str, limit: int) -> tuple[bytes, bool]:
     """A /proc file's first `limit` bytes and whether it was longer (FileRefused if unreadable)."""
     with open_regular(path) as f:

@@ -13,12 +13,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from offtop.safe_files import read_proc_small
+
 
 def task_start_time(tid: int, proc: str = "/proc") -> int | None:
     """The start time of a process or thread (clock ticks since boot), None if gone."""
     try:
-        with open(f"{proc}/{tid}/stat", "rb") as f:
-            data = f.read(4096)
+        data = read_proc_small(f"{proc}/{tid}/stat")
     except OSError:
         return None
     # comm may hold spaces and ')': the fields start after the last ')'.

@@ -560,3 +560,31 @@ def test_a_perf_map_read_put_off_by_the_time_budget_names_the_frame_later(
     assert [f.name for f in u.resolve_stack(pid, [jit + 4], deadline=now[0] - 1)] == ["anon+0x4"]
     assert u.errors == {TIME_BUDGET: 1}
     assert [f.name for f in u.resolve_stack(pid, [jit + 4], deadline=now[0] + 1)] == ["late_jit"]
+
+
+def test_a_tasks_start_time_and_name_are_read_whole_whatever_its_name() -> None:
+    """/proc/PID/stat and comm read with one open, one read, one close: a name made
+    of ')' and spaces (the stat line's own separators) still gives the start time,
+    and a task gone gives None, not an error."""
+    from offtop.bpf.block_frames import _comm_of
+    from offtop.safe_files import read_proc_small
+    from offtop.targets import task_start_time
+
+    name = ") 1 2 3 (x"
+    code = ("import ctypes, sys, time; ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0);"
+            "print('ready', flush=True); time.sleep(60)")
+    proc = subprocess.Popen(["/usr/bin/python3", "-c", code, name], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        stat_line = Path(f"/proc/{proc.pid}/stat").read_bytes()
+        assert b"(" + name.encode() + b")" in stat_line
+        assert task_start_time(proc.pid) == int(stat_line[stat_line.rfind(b")") + 2:].split()[19])
+        assert _comm_of(proc.pid, proc.pid) == name
+        again = read_proc_small(f"/proc/{proc.pid}/stat")  # whole: the line and its end
+        assert again.startswith(f"{proc.pid} ({name}) ".encode()) and again.endswith(b"\n")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert task_start_time(proc.pid) is None and _comm_of(proc.pid, proc.pid) == "?"
+    with pytest.raises(OSError):
+        read_proc_small(f"/proc/{proc.pid}/stat")

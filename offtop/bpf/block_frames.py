@@ -29,6 +29,7 @@ from offtop.bpf.python_frames import BlockedThread, PythonFrames, merged_frames
 from offtop.bpf.stack_store import StackStore
 from offtop.bpf.unwound import UnwoundStacks
 from offtop.model import MARK_NOT_RESOLVED, BlockedNow, Frame
+from offtop.safe_files import read_proc_small
 from offtop.safe_text import decode
 from offtop.targets import task_start_time
 
@@ -201,7 +202,6 @@ def _resolved(frames: tuple[Frame, ...]) -> int:
 def _comm_of(pid: int, tid: int) -> str:
     # A comm is whatever bytes the task set (prctl PR_SET_NAME): not UTF-8.
     try:
-        with open(f"/proc/{pid}/task/{tid}/comm", "rb") as f:
-            return decode(f.read(64).removesuffix(b"\n"))
+        return decode(read_proc_small(f"/proc/{pid}/task/{tid}/comm", 64).removesuffix(b"\n"))
     except OSError:
         return "?"
