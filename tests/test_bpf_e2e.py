@@ -138,7 +138,9 @@ def test_threshold_split_routes_without_double_counting(workloads: Any) -> None:
             first = p.stdout.readline()
             assert first.startswith("{"), first
         w = workloads("sleep", "100", "20")
+        started = time.time()
         w.proc.wait(timeout=30)
+        ended = time.time()
         time.sleep(0.3)
         outs = []
         for p in (low, high):
@@ -163,6 +165,11 @@ def test_threshold_split_routes_without_double_counting(workloads: Any) -> None:
     (lo_total, lo_count, lo_events, lo_blocks), (hi_total, hi_count, hi_events, hi_blocks) = totals
     detail = [(i, [(r["count"], r["events"]) for r in (task_of(s, w.tid) for s in snaps) if r])
               for i, snaps in enumerate(outs)]
+    # When each block ended, from the workload's start (the events' times), and each
+    # interval's end: which block a miss was, and where the intervals cut.
+    detail += [("blocks", [round(b["time"] - started, 3) for b in lo_blocks]),
+               ("ended", round(ended - started, 3)),
+               ("intervals", [[round(s["time"] - started, 3) for s in snaps] for snaps in outs])]
     assert lo_count == hi_count == 20, detail
     assert lo_events == 20 and len(lo_blocks) == 20  # every block arrived as an event
     assert all(b["user"][0] == "offtop_wl_sleep" for b in lo_blocks)
