@@ -132,11 +132,13 @@ def test_threshold_split_routes_without_double_counting(workloads: Any) -> None:
     # be among the top 100 of a whole-machine capture.
     low = _offtop_lines(["--threshold", "50ms", "--count", "60", "--limit", "0"])
     high = _offtop_lines(["--threshold", "200ms", "--count", "60", "--limit", "0"])
+    firsts = []
     try:
         for p in (low, high):  # both attached: each printed its first snapshot
             assert p.stdout is not None
             first = p.stdout.readline()
             assert first.startswith("{"), first
+            firsts.append(json.loads(first))
         w = workloads("sleep", "100", "20")
         started = time.time()
         w.proc.wait(timeout=30)
@@ -163,6 +165,12 @@ def test_threshold_split_routes_without_double_counting(workloads: Any) -> None:
         long_blocks = [b for s in snaps for b in s["long_blocks"] if b["tid"] == w.tid]
         totals.append((total, count, events, long_blocks))
     (lo_total, lo_count, lo_events, lo_blocks), (hi_total, hi_count, hi_events, hi_blocks) = totals
+    # The kernel runs a tracepoint without its BPF programs while another BPF
+    # program or a BPF map call is under way on that CPU (its recursion guard):
+    # such a switch is unseen by every offtop at once, and each says how many.
+    lo_unseen, hi_unseen = (snaps[-1]["stats"]["drops"].get("switches unseen", 0)
+                            - first["stats"]["drops"].get("switches unseen", 0)
+                            for first, snaps in zip(firsts, outs, strict=True))
     detail = [(i, [(r["count"], r["events"]) for r in (task_of(s, w.tid) for s in snaps) if r])
               for i, snaps in enumerate(outs)]
     # When each block ended, from the workload's start (the events' times), and each
@@ -170,12 +178,15 @@ def test_threshold_split_routes_without_double_counting(workloads: Any) -> None:
     detail += [("blocks", [round(b["time"] - started, 3) for b in lo_blocks]),
                ("ended", round(ended - started, 3)),
                ("intervals", [[round(s["time"] - started, 3) for s in snaps] for snaps in outs])]
-    assert lo_count == hi_count == 20, detail
-    assert lo_events == 20 and len(lo_blocks) == 20  # every block arrived as an event
+    detail += [("unseen switches", lo_unseen, hi_unseen)]
+    # Every block is counted, or its loss is: exactly 20 unless switches went unseen.
+    assert 20 - lo_unseen <= lo_count <= 20 and 20 - hi_unseen <= hi_count <= 20, detail
+    assert lo_events == lo_count and len(lo_blocks) == lo_count  # every block an event
     assert all(b["user"][0] == "offtop_wl_sleep" for b in lo_blocks)
     assert hi_events == 0 and not hi_blocks  # every block was summed in the kernel
-    assert lo_total >= 20 * 100 * MS
-    assert abs(lo_total - hi_total) / hi_total <= 0.02, (lo_total, hi_total)
+    assert lo_total >= lo_count * 100 * MS
+    lo_mean, hi_mean = lo_total / lo_count, hi_total / hi_count  # no block counted twice
+    assert abs(lo_mean - hi_mean) / hi_mean <= 0.02, (lo_total, lo_count, hi_total, hi_count)
 
 
 @pytest.fixture

@@ -63,3 +63,26 @@ def test_until_a_window_was_whole_it_opens_at_the_interval_start() -> None:
     now[0] = 2.0
     assert stats.interval_result(1.0) == (2_000_000, 50_000)
     assert stats.missed == 0
+
+
+def test_switches_the_kernel_ran_without_the_probe_are_a_drop_cause() -> None:
+    """A tracepoint run while another BPF program or a BPF map call is under way on
+    that CPU skips the probe (the kernel's recursion guard): such switches are
+    unseen, and their count (the program's recursion_misses) is said as a drop."""
+    import os
+
+    from offtop.bpf.engine import _errors_by_cause
+    from offtop.bpf.probe_stats import read_prog_misses
+
+    counters = dict.fromkeys(("ustack_efault", "ustack_enomem", "ustack_eexist", "ustack_other",
+                              "kstack_efault", "kstack_enomem", "kstack_eexist", "kstack_other",
+                              "start_full", "agg_full", "output_fail"), 0)
+    assert _errors_by_cause({**counters, "switch_unseen": 0}) == ({}, {})
+    assert _errors_by_cause({**counters, "switch_unseen": 3})[1] == {"switches unseen": 3}
+    assert read_prog_misses(-1) == 0
+    r, w = os.pipe()  # an fd whose fdinfo has no such line
+    try:
+        assert read_prog_misses(r) == 0
+    finally:
+        os.close(r)
+        os.close(w)

@@ -655,8 +655,10 @@ def _errors_by_cause(c: Mapping[str, int]) -> tuple[dict[str, int], dict[str, in
         label: c[name]
         for label, name in (("start map full", "start_full"),
                             ("aggregate map full", "agg_full"),
-                            ("perf output failed", "output_fail"))
-        if c[name]
+                            ("perf output failed", "output_fail"),
+                            # Switches the kernel ran without the probe (see offcpu.c).
+                            ("switches unseen", "switch_unseen"))
+        if c.get(name)
     }
     return stack_errors, drops
 

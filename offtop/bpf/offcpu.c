@@ -564,6 +564,12 @@ static __always_inline void on_switch_out(void *args, u32 tid, long prev_state, 
     }
     if (rec->skip & REC_SKIP)
         return;
+    // The thread ran: a start left from before is stale. It is one whose
+    // switch-in the kernel ran without this program (its recursion guard: a
+    // BPF map call or another program was under way on that CPU). Left, a
+    // switch-out not recorded (a preemption) would keep it, and the next
+    // switch-in would count the time the thread ran as a block.
+    rec->ts = 0;
     u32 state = normalize_state(prev_state);
     if (!(state & OFFTOP_STATE_MASK))
         return;

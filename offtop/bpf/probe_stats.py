@@ -36,6 +36,22 @@ def read_prog_run_stats(prog_fd: int) -> tuple[int, int]:
     return (run_ns, runs)
 
 
+def read_prog_misses(prog_fd: int) -> int:
+    """How often the kernel ran the program's tracepoint without it (its recursion
+    guard: another BPF program or a BPF map call was under way on that CPU), from
+    its fd's fdinfo; 0 if unknown."""
+    if prog_fd < 0:
+        return 0
+    try:
+        with open(f"/proc/self/fdinfo/{prog_fd}") as f:
+            for line in f:
+                if line.startswith("recursion_misses:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 class ProbeStats:
     """Samples the probe's run time and run count once per interval (see module doc)."""
 
