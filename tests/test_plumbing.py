@@ -164,32 +164,55 @@ def test_report_writer_abandons_a_write_nobody_takes_after_a_stop() -> None:
         os.close(w)
 
 
-def test_report_writer_finishes_a_line_the_reader_takes_after_a_stop() -> None:
-    """A stop never cuts a line that can still be written: the reader wakes up and takes it."""
+class _LateReader:
+    """Reads a pipe from `after_s` on, a chunk per `pace_s`, until EOF (in a thread)."""
+
+    def __init__(self, fd: int, *, after_s: float, chunk: int = 1 << 16, pace_s: float = 0.0) -> None:
+        self.got = bytearray()
+        self._thread = threading.Thread(target=self._run, args=(fd, after_s, chunk, pace_s))
+        self._thread.start()
+
+    def _run(self, fd: int, after_s: float, chunk: int, pace_s: float) -> None:
+        time.sleep(after_s)  # the writer blocks meanwhile, the stop comes in between
+        while data := os.read(fd, chunk):
+            self.got.extend(data)
+            time.sleep(pace_s)
+
+    def finish(self) -> bytes:
+        """What it read (the write end must be closed first)."""
+        self._thread.join(timeout=10)
+        return bytes(self.got)
+
+
+def _written_after_a_stop(lines: list[str], *, idle_s: float = 0.25, pipe_size: int = 0,
+                          **reader: Any) -> tuple[bytes, bool]:
+    """`lines` through a ReportWriter into a pipe, a stop (SIGUSR1) coming 0.2 s in,
+    the pipe read by a _LateReader(**reader): (what it got, whether the writer stalled)."""
     from offtop.cli_io import ReportWriter
 
     r, w = os.pipe()
-    got = bytearray()
-
-    def slow_reader() -> None:
-        time.sleep(0.5)  # the writer blocks meanwhile, the stop comes in between
-        while chunk := os.read(r, 1 << 16):
-            got.extend(chunk)
-
-    reader = threading.Thread(target=slow_reader)
-    reader.start()
-    line = "y" * (1 << 20) + "\n"
+    if pipe_size:
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, pipe_size)
+    late = _LateReader(r, **reader)
     try:
-        with ReportWriter(w, idle_s=5.0) as writer, \
+        with ReportWriter(w, idle_s=idle_s) as writer, \
                 _on_signal(signal.SIGUSR1, writer.stop_requested):
             threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
-            writer.write(line)
-            assert not writer.stalled
+            for line in lines:
+                writer.write(line)
+            stalled = writer.stalled
     finally:
         os.close(w)
-        reader.join(timeout=10)
+        got = late.finish()
         os.close(r)
-    assert got == line.encode()
+    return got, stalled
+
+
+def test_report_writer_finishes_a_line_the_reader_takes_after_a_stop() -> None:
+    """A stop never cuts a line that can still be written: the reader wakes up and takes it."""
+    line = "y" * (1 << 20) + "\n"
+    got, stalled = _written_after_a_stop([line], idle_s=5.0, after_s=0.5)
+    assert not stalled and got == line.encode()
 
 
 def test_report_writer_gives_a_slow_live_reader_every_report_after_a_stop() -> None:
@@ -198,34 +221,12 @@ def test_report_writer_gives_a_slow_live_reader_every_report_after_a_stop() -> N
     budget allows (0.25 s). It gets the line in progress and the last report, whole.
 
     A budget for all the writing after the stop (before) gave up on the last report
-    of a live reader on a loaded machine (test_threshold_split_routes_without_double_counting
-    lost the last interval's block in both offtops)."""
-    from offtop.cli_io import ReportWriter
-
-    r, w = os.pipe()
-    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
-    got = bytearray()
-
-    def slow_reader() -> None:
-        time.sleep(0.4)  # the stop comes meanwhile, the writer blocked
-        while chunk := os.read(r, 4096):
-            got.extend(chunk)
-            time.sleep(0.1)
-
-    reader = threading.Thread(target=slow_reader)
-    reader.start()
+    of a reader that was still reading: with --limit 0 on a whole machine a JSON line
+    is ~100 kB, and finishing the line in progress could take the quarter second."""
     lines = ["a" * 20_000 + "\n", "b" * 20_000 + "\n"]  # ~10 pages: ~1 s at this pace
-    try:
-        with ReportWriter(w) as writer, _on_signal(signal.SIGUSR1, writer.stop_requested):
-            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
-            for line in lines:
-                writer.write(line)
-            assert not writer.stalled
-    finally:
-        os.close(w)
-        reader.join(timeout=10)
-        os.close(r)
-    assert got == "".join(lines).encode()
+    got, stalled = _written_after_a_stop(lines, pipe_size=4096, after_s=0.4, chunk=4096,
+                                         pace_s=0.1)
+    assert not stalled and got == "".join(lines).encode()
 
 
 def test_report_writer_gives_up_on_a_trickling_reader_at_the_total_bound() -> None:
