@@ -19,20 +19,25 @@ from collections.abc import Callable
 from offtop.bpf import syscalls
 
 
-def read_prog_run_stats(prog_fd: int) -> tuple[int, int]:
-    """(run_time_ns, run_cnt) of a BPF program, from its fd's fdinfo."""
+def read_prog_fdinfo(prog_fd: int, *names: str) -> list[int]:
+    """Fields of a BPF program's fd's fdinfo, by name, in order (0 for one not there)."""
+    found = dict.fromkeys(names, 0)
     if prog_fd < 0:
-        return (0, 0)
-    run_ns = runs = 0
+        return list(found.values())
     try:
         with open(f"/proc/self/fdinfo/{prog_fd}") as f:
             for line in f:
-                if line.startswith("run_time_ns:"):
-                    run_ns = int(line.split()[1])
-                elif line.startswith("run_cnt:"):
-                    runs = int(line.split()[1])
+                name, _, value = line.partition(":")
+                if name in found:
+                    found[name] = int(value.split()[0])
     except (OSError, ValueError, IndexError):
         pass
+    return list(found.values())
+
+
+def read_prog_run_stats(prog_fd: int) -> tuple[int, int]:
+    """(run_time_ns, run_cnt) of a BPF program, from its fd's fdinfo."""
+    run_ns, runs = read_prog_fdinfo(prog_fd, "run_time_ns", "run_cnt")
     return (run_ns, runs)
 
 
@@ -40,16 +45,7 @@ def read_prog_misses(prog_fd: int) -> int:
     """How often the kernel ran the program's tracepoint without it (its recursion
     guard: another BPF program or a BPF map call was under way on that CPU), from
     its fd's fdinfo; 0 if unknown."""
-    if prog_fd < 0:
-        return 0
-    try:
-        with open(f"/proc/self/fdinfo/{prog_fd}") as f:
-            for line in f:
-                if line.startswith("recursion_misses:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    return read_prog_fdinfo(prog_fd, "recursion_misses")[0]
 
 
 class ProbeStats:
