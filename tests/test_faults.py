@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from offtop.model import MARK_NOT_RESOLVED, MARK_TRUNCATED, Aggregator, Frame, Sample, Snapshot
+from offtop.model import MARK_NOT_RESOLVED, MARK_TRUNCATED, Aggregator, Sample, Snapshot
 from offtop.symbols import Mapping, UserSymbols
 from tests.conftest import ROOT, offtop_json, process_ended, task_of, wait_until
 
@@ -947,28 +947,34 @@ def test_batch_signal_during_startup_exits_at_once(bpf_available: None, after_s:
 def test_a_hurried_engine_counts_everything_and_resolves_nothing_new(
         bpf_available: None, workloads: Any) -> None:
     """After `hurry()` (a stop is coming) and its time to finish (0 here), the blocks
-    up to the stop are still counted whole, their stacks marked not resolved instead
-    of being symbolized; recording ends there (the probe detaches meanwhile)."""
+    up to the stop are still counted whole; stacks seen before keep their frames, new
+    ones are marked not resolved instead of being symbolized; recording ends there
+    (the probe detaches meanwhile)."""
     from offtop.bpf.engine import BpfSource, EngineConfig
 
-    w = workloads("sleep", "20")
-    src = BpfSource(EngineConfig(pids=(w.pid,), threshold_ns=10**9))
+    known = workloads("sleep", "20")
+    src = BpfSource(EngineConfig(threshold_ns=10**9))
     src.start()
     try:
         stop = threading.Event()
         first = src.next_snapshot(0.5, stop)
         assert first is not None
-        assert any(f.name == "offtop_wl_sleep" for st in first.stacks for f in st.user)
-        time.sleep(0.4)  # ~20 blocks summed in the kernel, not read yet
+        assert any(f.name == "offtop_wl_sleep" for st in first.stacks if st.tid == known.tid
+                   for f in st.user)
+        new = workloads("sleep", "20")  # its stacks reach offtop only after the stop
+        time.sleep(0.4)  # ~20 blocks of each summed in the kernel, not read yet
         src.hurry(within_s=0)
         snap = src.next_snapshot(0.5, stop)
         assert snap is not None
-        mine = [st for st in snap.stacks if st.tid == w.tid]
-        assert sum(st.count for st in mine) >= 10, mine
-        assert all(st.user == (Frame(MARK_NOT_RESOLVED),) and not st.kernel for st in mine), mine
+        for w, inner in ((known, "offtop_wl_sleep"), (new, MARK_NOT_RESOLVED)):
+            mine = [st for st in snap.stacks if st.tid == w.tid]
+            assert sum(st.count for st in mine) >= 10, mine
+            assert all(st.user[0].name == inner for st in mine), (inner, mine)
+        assert all(not st.kernel for st in snap.stacks if st.tid == new.tid)
         after = src.next_snapshot(0.5, stop)
         assert after is not None
-        assert not [st for st in after.stacks if st.tid == w.tid], "still recording after a stop"
+        assert not [st for st in after.stacks if st.tid in (known.tid, new.tid)], \
+            "still recording after a stop"
     finally:
         src.close()
 

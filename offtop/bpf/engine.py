@@ -442,14 +442,12 @@ class BpfSource:
         accepts = self.targets.accepts
         for lo in range(0, len(keys), _STOP_CHECK_ROWS):
             # Asked once a chunk, not per row: once a stop came and its time to
-            # resolve is over, the rest of the sub-tick's rows collapse at once.
+            # resolve is over, the rest of the sub-tick's new rows take only
+            # what is kept (`_stopping_row`).
             stopping = not event and self.frames.gave_up()
             hi = lo + _STOP_CHECK_ROWS
-            for i, raw_key, (total, mx, count, comm, wus, wks) in zip(
+            for i, key, (total, mx, count, comm, wus, wks) in zip(
                     range(lo, hi), keys[lo:hi], sums[lo:hi], strict=False):
-                key: bytes | tuple[int, ...] = raw_key
-                if stopping:  # a row per thread and state, its stacks not resolved
-                    key = (*row_of(i)[:3], UNRESOLVED_ID)
                 row = rows.get(key)
                 if row is not None:
                     if row.seq == seq:
@@ -460,14 +458,40 @@ class BpfSource:
                         continue
                     if row.final and self._carries(row):
                         if wus != row.wus or wks != row.wks:
-                            self._new_waker(row, row_of(i)[9])
+                            self._new_waker(row, row_of(i)[9], stopping)
                         row.seq, row.total, row.count, row.max_ns, row.comm = \
                             seq, total, count, mx, comm
                         self.carried += 1
                         continue
                 r = row_of(i)
-                if event or accepts(r[0], r[1]):
-                    rows[key] = self._new_row(r, event, stopping, deadline, seq)
+                if not (event or accepts(r[0], r[1])):
+                    continue
+                if stopping:
+                    self._stopping_row(key, r, seq)
+                else:
+                    rows[key] = self._new_row(r, event, deadline, seq)
+
+    def _stopping_row(self, key: bytes | tuple[int, ...], raw: RawRow, seq: int) -> None:
+        """A new summed row once a stop's time to resolve is over: with its frames if
+        they are kept (`RowFrames.kept`), else summed per thread and state, its
+        stacks not resolved, so that a flood of new stacks cannot hold up the exit."""
+        tgid, tid, st, us, ks, total, count, mx, comm, waker = raw
+        kept = self._rows.kept(tgid, tid, st, us, ks, waker)
+        if kept is not None:
+            kernel, user, before, w, start, final = kept
+            self._known[key] = _Row(total, count, mx, comm, kernel, user, before, w, start,
+                                    tgid, tid, st, us, ks, False, seq, final, waker[2], waker[3])
+            return
+        key = (tgid, tid, st, UNRESOLVED_ID)
+        row = self._known.get(key)
+        if row is not None and row.seq == seq:
+            row.total += total
+            row.count += count
+            row.max_ns = max(row.max_ns, mx)
+            return
+        self._known[key] = _Row(total, count, mx, comm, (), (NOT_RESOLVED,),
+                                bool(st & ST_BEFORE_START), None, self.frames.start_of(tgid),
+                                tgid, tid, st, UNRESOLVED_ID, UNRESOLVED_ID, False, seq)
 
     def _control_flood(self, now: float) -> None:
         seconds = now - self._last_subtick
@@ -495,13 +519,8 @@ class BpfSource:
             self._finished = "nothing left to watch: " + "; ".join(
                 [*self._interval.notices])
 
-    def _new_row(self, raw: RawRow, event: bool, unresolved: bool, deadline: float,
-                 seq: int) -> _Row:
+    def _new_row(self, raw: RawRow, event: bool, deadline: float, seq: int) -> _Row:
         tgid, tid, st, us, ks, total, count, mx, comm, waker = raw
-        if unresolved:
-            return _Row(total, count, mx, comm, (), (NOT_RESOLVED,), bool(st & ST_BEFORE_START),
-                        None, self.frames.start_of(tgid), tgid, tid, st, UNRESOLVED_ID,
-                        UNRESOLVED_ID, event, seq)
         kernel, user, before, w, start, final = self._rows.resolve(tgid, tid, st, us, ks, waker,
                                                                    deadline)
         return _Row(total, count, mx, comm, kernel, user, before, w, start, tgid, tid, st, us, ks,
@@ -516,9 +535,11 @@ class BpfSource:
         # Found to be Python since: its frames change per sample.
         return frames.python is None or not frames.python.is_python(tgid)
 
-    def _new_waker(self, row: _Row, raw: RawWaker) -> None:
-        """A carried row's waker, resolved again: its stacks are not the ones it had."""
-        row.waker, row.final = self._rows.waker(raw)
+    def _new_waker(self, row: _Row, raw: RawWaker, stopping: bool) -> None:
+        """A carried row's waker, resolved again: its stacks are not the ones it had
+        (once a stop's time to resolve is over, only as kept: `RowFrames.kept_waker`)."""
+        rows = self._rows
+        row.waker, row.final = rows.kept_waker(raw) if stopping else rows.waker(raw)
         row.wus, row.wks = raw[2], raw[3]
 
     def _samples(self, rows: dict[bytes | tuple[int, ...], _Row]) -> Iterator[RawSample]:

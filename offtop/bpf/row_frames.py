@@ -28,7 +28,7 @@ with process churn, the rows of processes gone would pile up.
 from __future__ import annotations
 
 from offtop.bpf.block_frames import BlockFrames
-from offtop.bpf.decode import ST_BEFORE_START, WAKER_KINDS
+from offtop.bpf.decode import ST_BEFORE_START, WAKER_KINDS, decode_comm
 from offtop.bpf.wakers import RawWaker, Wakers
 from offtop.model import Frame, Waker
 from offtop.recent import Recent
@@ -89,23 +89,66 @@ class RowFrames:
         w, waker_final = self.waker(waker)
         return kernel, user, before, w, start, final and waker_final
 
+    def kept(self, tgid: int, tid: int, st: int, us: int, ks: int,
+             waker: RawWaker) -> Resolved | None:
+        """`resolve`'s answer from what is kept alone, nothing read or symbolized; None
+        if the row's frames are not kept. For the rows summed once a stop's time to
+        resolve is over: a key seen before keeps its stacks (a waker not kept is
+        named without its stacks, `kept_waker`)."""
+        frames = self._frames
+        stacks = frames.stacks
+        assert stacks is not None
+        if stacks.generation != self._generation:
+            return None
+        start = frames.start_of(tgid)
+        py = frames.python
+        if py is not None and py.is_python(tgid):
+            return None
+        kept = self._kept.get((tgid, start, tid, st, us, ks))
+        if kept is None:
+            return None
+        stacks.touch(ks, us)
+        self.hits += 1
+        w, waker_final = self.kept_waker(waker)
+        return *kept, w, start, waker_final
+
+    def kept_waker(self, raw: RawWaker) -> tuple[Waker | None, bool]:
+        """`waker`'s answer if kept; else the waker named without its stacks (not
+        final), nothing read or symbolized."""
+        kind = WAKER_KINDS.get(raw[4] >> 24)
+        if not kind:
+            return None, True
+        _key, kept = self._kept_waker(raw)
+        if kept is not None:
+            return kept, True
+        if kind == "task":
+            return Waker(raw[0], raw[1], decode_comm(raw[5]), kind), False
+        return Waker(0, 0, "", kind), False
+
     def waker(self, raw: RawWaker) -> tuple[Waker | None, bool]:
         """The model's waker of a raw one, and whether it is kept (final, as for rows)."""
         if not WAKER_KINDS.get(raw[4] >> 24):
             return None, True  # the probe saw none (as Wakers.waker says, without its cost)
-        frames = self._frames
-        stacks = frames.stacks
-        assert stacks is not None
-        wtgid, wus, wks = raw[0], raw[2], raw[3]
-        wstart = frames.start_of(wtgid) if wtgid > 0 and wus >= 0 else 0
-        key = (*raw, wstart)
-        kept = self._wakers_kept.get(key)
+        key, kept = self._kept_waker(raw)
         if kept is not None:
-            stacks.touch(wks, wus)
             return kept, True
         w = self._wakers.waker(raw)
+        frames = self._frames
+        assert frames.stacks is not None
+        wtgid, wus, wstart = raw[0], raw[2], int(key[-1])
         if ((wstart or wus < 0) and not frames.gave_up()
-                and (wus < 0 or stacks.final(wtgid, wstart, wus))):
+                and (wus < 0 or frames.stacks.final(wtgid, wstart, wus))):
             self._wakers_kept.put(key, w)
             return w, True
         return w, False
+
+    def _kept_waker(self, raw: RawWaker) -> tuple[tuple[int | bytes, ...], Waker | None]:
+        """(key, kept answer or None): the key is the raw waker and its process's
+        start time. A hit stamps the waker's stacks as used (as resolving would)."""
+        wtgid, wus = raw[0], raw[2]
+        key = (*raw, self._frames.start_of(wtgid) if wtgid > 0 and wus >= 0 else 0)
+        kept = self._wakers_kept.get(key)
+        if kept is not None:
+            assert self._frames.stacks is not None
+            self._frames.stacks.touch(raw[3], raw[2])
+        return key, kept
