@@ -1,11 +1,10 @@
 """offtop's command line with another probe: for A/B runs of probe changes.
 
     python bench/probe_variant.py [--source FILE.c] [--set FIELD=VALUE]...
-                                  [--cflag -DNAME=N]... [--no-stats] -- OFFTOP-ARGS...
+                                  [--cflag -DNAME=N]... -- OFFTOP-ARGS...
 
 `--source` loads FILE.c instead of offtop/bpf/offcpu.c, `--set` overrides an
 EngineConfig field (e.g. kstack_depth=16), `--cflag` adds a compiler flag,
-`--no-stats` leaves the kernel's BPF run-time statistics off.
 `bench/run.py switch --variant NAME=SPEC` runs such a command next to the
 stock offtop in the same rounds, so a probe change is measured side by side
 with what it replaces. Nothing here is part of offtop itself.
@@ -39,7 +38,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--source", type=Path)
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     p.add_argument("--cflag", action="append", default=[])
-    p.add_argument("--no-stats", action="store_true", help="leave BPF run-time stats off")
     args = p.parse_args(own)
     overrides = {}
     for item in args.set:
@@ -47,10 +45,7 @@ def main(argv: list[str]) -> int:
         overrides[name] = _value(value)
     text = args.source.read_text() if args.source else None
 
-    from offtop.bpf import engine, environment, syscalls
-
-    if args.no_stats:
-        syscalls.enable_bpf_run_stats = lambda: -1  # type: ignore[assignment]
+    from offtop.bpf import engine, environment
 
     if overrides:
         stock = engine.EngineConfig

@@ -165,11 +165,10 @@ def test_threshold_split_routes_without_double_counting(workloads: Any) -> None:
         long_blocks = [b for s in snaps for b in s["long_blocks"] if b["tid"] == w.tid]
         totals.append((total, count, events, long_blocks))
     (lo_total, lo_count, lo_events, lo_blocks), (hi_total, hi_count, hi_events, hi_blocks) = totals
-    # The kernel runs a tracepoint without its BPF programs while another BPF
-    # program or a BPF map call is under way on that CPU (its recursion guard):
-    # such a switch is unseen by every offtop at once, and each says how many.
-    lo_unseen, hi_unseen = (snaps[-1]["stats"]["drops"].get("switches unseen", 0)
-                            - first["stats"]["drops"].get("switches unseen", 0)
+    # A block whose end the kernel ran without the probe (switch-in and wakeup
+    # both unseen) is lost, and each offtop says how many (see offcpu.c).
+    lo_unseen, hi_unseen = (snaps[-1]["stats"]["drops"].get("block ends unseen", 0)
+                            - first["stats"]["drops"].get("block ends unseen", 0)
                             for first, snaps in zip(firsts, outs, strict=True))
     detail = [(i, [(r["count"], r["events"]) for r in (task_of(s, w.tid) for s in snaps) if r])
               for i, snaps in enumerate(outs)]
@@ -178,8 +177,8 @@ def test_threshold_split_routes_without_double_counting(workloads: Any) -> None:
     detail += [("blocks", [round(b["time"] - started, 3) for b in lo_blocks]),
                ("ended", round(ended - started, 3)),
                ("intervals", [[round(s["time"] - started, 3) for s in snaps] for snaps in outs])]
-    detail += [("unseen switches", lo_unseen, hi_unseen)]
-    # Every block is counted, or its loss is: exactly 20 unless switches went unseen.
+    detail += [("block ends unseen", lo_unseen, hi_unseen)]
+    # Every block is counted, or its loss is: exactly 20 unless block ends went unseen.
     assert 20 - lo_unseen <= lo_count <= 20 and 20 - hi_unseen <= hi_count <= 20, detail
     assert lo_events == lo_count and len(lo_blocks) == lo_count  # every block an event
     assert all(b["user"][0] == "offtop_wl_sleep" for b in lo_blocks)

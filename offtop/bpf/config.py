@@ -39,10 +39,6 @@ class EngineConfig:
     wakeup_events: int = 64
     subtick_s: float = 0.25
     first_interval_s: float = 0.5
-    # BPF run-time stats cost every program on the machine two clock reads per
-    # run (measured: +68 ns per context switch), so they are on only for
-    # stats_window_s in the middle of each interval and scaled (0: always on).
-    stats_window_s: float = 0.1
     blocked_min_ns: int = 5_000_000
     blocked_max: int = 200
     long_blocks_max: int = 1_000

@@ -42,6 +42,10 @@ COUNTERS = (
     "agg_full",
     "output_fail",
     "no_start",
+    "runs",
+    "timed_runs",
+    "timed_ns",
+    "end_unseen",
 )
 
 

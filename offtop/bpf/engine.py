@@ -158,7 +158,7 @@ class BpfSource:
         self._comms: dict[bytes, str] = {}  # raw comm -> decoded
         self._ring: PerfRing | None = None
         self._blocked: BlockedNowReader | None = None
-        self._stats: ProbeStats | None = None
+        self._stats = ProbeStats()
         self._self_cost = SelfCost()
         self._lock = threading.Lock()  # the threshold, set from the UI thread
         self._raw_events: list[tuple[Any, ...]] = []
@@ -246,8 +246,6 @@ class BpfSource:
             kernel_depth=cfg.kstack_depth, user_depth=cfg.ustack_depth)
         self._blocked = BlockedNowReader(self.probe, min_ns=cfg.blocked_min_ns,
                                          limit=cfg.blocked_max)
-        self._stats = ProbeStats(self.probe.prog_fd, window_s=cfg.stats_window_s,
-                                 clock=self._clock)
         self._interval.notices.extend(self.targets.initially_gone())
         self.before.seed()
         self.frames.unwind_before_start(cfg.unwind_budget_s)
@@ -265,7 +263,7 @@ class BpfSource:
 
     def next_snapshot(self, interval_s: float, stop: Any) -> Snapshot | None:
         """Poll the ring until the interval ends, then build its snapshot."""
-        if self._ring is None or self._stats is None:
+        if self._ring is None:
             raise EngineError("the engine is not started")
         if self._finished and self._seq > 0:
             return None  # the last snapshot said why: nothing is left to watch
@@ -274,7 +272,6 @@ class BpfSource:
             # interval_s says how long it really covered.
             interval_s = min(interval_s, self.config.first_interval_s)
         end = self._interval_base + interval_s
-        self._stats.start_interval(self._interval_base, interval_s)
         now = self._clock()
         if end < now - interval_s:  # fell far behind (e.g. the process was stopped)
             end = now
@@ -289,7 +286,6 @@ class BpfSource:
                     break
             self._ring.wait(min(0.05, end - now, max(0.0, self._next_subtick - now)))
             self._read_ring()
-            self._stats.poll(self._clock())
         if stop.is_set():
             return None
         self._subtick(self._clock())
@@ -334,8 +330,6 @@ class BpfSource:
         if self._usyms is not None:
             self._usyms.close()
         self.probe.close()
-        if self._stats is not None:
-            self._stats.close()
 
     # --- the interval loop --------------------------------------------------
 
@@ -582,7 +576,7 @@ class BpfSource:
 
     def _build(self, elapsed: float) -> Snapshot:
         stacks, python = self.frames.stacks, self.frames.python
-        assert stacks is not None and self._ring is not None and self._stats is not None
+        assert stacks is not None and self._ring is not None
         self._seq += 1
         stacks.next_interval(self._seq)
         self._rows.next_interval()
@@ -591,8 +585,9 @@ class BpfSource:
         blocked, live = self.frames.blocked_now(
             self._blocked, self.targets.accepts, symbol_budget_s=self.config.symbol_budget_s,
             unwind_budget_s=self.config.unwind_budget_s)
-        stack_errors, drops = _errors_by_cause(self.probe.counters())
-        probe_ns, probe_runs = self._stats.interval_result(elapsed)
+        counters = self.probe.counters()
+        stack_errors, drops = _errors_by_cause(counters)
+        probe_ns, probe_runs = self._stats.interval_result(counters)
         lost_total = self._ring.lost
         lost = lost_total - self._lost_seen
         self._lost_seen = lost_total
@@ -677,8 +672,9 @@ def _errors_by_cause(c: Mapping[str, int]) -> tuple[dict[str, int], dict[str, in
         for label, name in (("start map full", "start_full"),
                             ("aggregate map full", "agg_full"),
                             ("perf output failed", "output_fail"),
-                            # Switches the kernel ran without the probe (see offcpu.c).
-                            ("switches unseen", "switch_unseen"))
+                            # Blocks whose end (switch-in) the kernel ran
+                            # without the probe (offcpu.c on_switch_out).
+                            ("block ends unseen", "end_unseen"))
         if c.get(name)
     }
     return stack_errors, drops

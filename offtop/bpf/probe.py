@@ -42,7 +42,6 @@ from offtop.bpf.loader.cache import DEFAULT_DIR, ArtifactCache
 from offtop.bpf.loader.kernel import LoadedObject, LoadFailed
 from offtop.bpf.loader.load import Compile, LoadReport, load_object
 from offtop.bpf.maps import BPF_NOEXIST, BpfMap, ElementReader, MapError
-from offtop.bpf.probe_stats import read_prog_misses
 from offtop.bpf.task_regs import ITERATOR, TaskRegisters, UserRegs
 
 PROBE_FUNCTION = "tracepoint__sched__sched_switch"
@@ -389,7 +388,6 @@ class Probe:
             if i in sums:
                 sums[i] = sum(_U64.unpack_from(v, c * 8)[0] for c in range(table.ncpus))
         out = {name: sums[i] for i, name in enumerate(COUNTERS)}
-        out["switch_unseen"] = read_prog_misses(self.prog_fd)
         return out
 
     # --- stacks -------------------------------------------------------------

@@ -35,9 +35,7 @@ BPF_MAP_LOOKUP_AND_DELETE_BATCH = 25
 BPF_MAP_UPDATE_BATCH = 26
 BPF_MAP_DELETE_BATCH = 27
 BPF_LINK_CREATE = 28
-BPF_ENABLE_STATS = 32
 BPF_ITER_CREATE = 33
-BPF_STATS_RUN_TIME = 0
 
 
 class UnsupportedSyscall(OSError):
@@ -87,12 +85,6 @@ def ioctl(fd: int, request: int, arg: int) -> int:
     """ioctl(fd, request, arg) with an integer argument: the result, or -errno."""
     res = int(libc().ioctl(ct.c_int(fd), ct.c_ulong(request), ct.c_ulong(arg)))
     return res if res >= 0 else -ct.get_errno()
-
-
-def enable_bpf_run_stats() -> int:
-    """BPF_ENABLE_STATS(BPF_STATS_RUN_TIME): an fd that keeps stats on until closed, or -errno."""
-    attr = (ct.c_uint32 * 4)(BPF_STATS_RUN_TIME, 0, 0, 0)
-    return bpf(BPF_ENABLE_STATS, attr)
 
 
 def close_quietly(fd: int) -> None:
