@@ -68,6 +68,10 @@ class TargetWatch:
             w.gone = w.identity is None
         self.gone_pids: set[int] = set()
         self.gone_tids: set[int] = set()
+        # Of those, the ids found naming another task: what is recorded under them
+        # may be that task's.
+        self._reused_pids: set[int] = set()
+        self._reused_tids: set[int] = set()
 
     @property
     def configured(self) -> bool:
@@ -92,12 +96,30 @@ class TargetWatch:
                 lost.append(gone_notice(w.kind, w.ident, reused=now is not None))
                 if w.kind == "pid":
                     self.gone_pids.add(int(w.ident))
+                    if now is not None:
+                        self._reused_pids.add(int(w.ident))
                 elif w.kind == "tid":
                     self.gone_tids.add(int(w.ident))
+                    if now is not None:
+                        self._reused_tids.add(int(w.ident))
         return lost
 
+    @property
+    def any_reused(self) -> bool:
+        """Whether some target's id was found naming another task."""
+        return bool(self._reused_pids or self._reused_tids)
+
     def accepts(self, pid: int, tid: int) -> bool:
-        """False for a record of a target that is gone (its id may name another task now)."""
+        """False for a record under the id of a target found naming another task now.
+
+        A target that exited is still accepted: what was recorded of it (its
+        last blocks, drained in the sub-tick that found it gone) is its own,
+        and nothing more is recorded under its id once the probe forgets it
+        (`BpfSource._check_targets`)."""
+        return pid not in self._reused_pids and tid not in self._reused_tids
+
+    def watching(self, pid: int, tid: int) -> bool:
+        """False for a target that is gone, exited or not (for what is blocked now)."""
         return pid not in self.gone_pids and tid not in self.gone_tids
 
     def initially_gone(self) -> list[str]:

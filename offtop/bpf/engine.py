@@ -362,7 +362,7 @@ class BpfSource:
                     a[2] = delta
                 a[5] = wus
                 a[6] = wks
-        if watch.gone_pids or watch.gone_tids:
+        if watch.any_reused:
             for key in [k for k in acc if not watch.accepts(k[0], k[1])]:
                 del acc[key]
         tail = self._event_tail
@@ -583,7 +583,7 @@ class BpfSource:
         self._wakers.next_interval()
         assert self._blocked is not None
         blocked, live = self.frames.blocked_now(
-            self._blocked, self.targets.accepts, symbol_budget_s=self.config.symbol_budget_s,
+            self._blocked, self.targets.watching, symbol_budget_s=self.config.symbol_budget_s,
             unwind_budget_s=self.config.unwind_budget_s)
         counters = self.probe.counters()
         stack_errors, drops = _errors_by_cause(counters)
