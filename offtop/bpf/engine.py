@@ -37,7 +37,7 @@ from offtop.bpf.perf_ring import PerfRing
 from offtop.bpf.probe import Probe, RawRow, RawSums, agg_key
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import PythonFrames
-from offtop.bpf.row_frames import RowFrames
+from offtop.bpf.row_frames import Resolved, RowFrames
 from offtop.bpf.stack_store import StackStore
 from offtop.bpf.unwound import UnwoundStacks
 from offtop.bpf.user_stacks import UserStackRepair
@@ -463,7 +463,8 @@ class BpfSource:
                 if stopping:
                     self._stopping_row(key, r, seq)
                 else:
-                    rows[key] = self._new_row(r, event, deadline, seq)
+                    rows[key] = self._row(r, event, seq, self._rows.resolve(*r[:5], r[9],
+                                                                            deadline))
 
     def _stopping_row(self, key: bytes | tuple[int, ...], raw: RawRow, seq: int) -> None:
         """A new summed row once a stop's time to resolve is over: with its frames if
@@ -472,9 +473,7 @@ class BpfSource:
         tgid, tid, st, us, ks, total, count, mx, comm, waker = raw
         kept = self._rows.kept(tgid, tid, st, us, ks, waker)
         if kept is not None:
-            kernel, user, before, w, start, final = kept
-            self._known[key] = _Row(total, count, mx, comm, kernel, user, before, w, start,
-                                    tgid, tid, st, us, ks, False, seq, final, waker[2], waker[3])
+            self._known[key] = self._row(raw, False, seq, kept)
             return
         key = (tgid, tid, st, UNRESOLVED_ID)
         row = self._known.get(key)
@@ -513,10 +512,11 @@ class BpfSource:
             self._finished = "nothing left to watch: " + "; ".join(
                 [*self._interval.notices])
 
-    def _new_row(self, raw: RawRow, event: bool, deadline: float, seq: int) -> _Row:
+    @staticmethod
+    def _row(raw: RawRow, event: bool, seq: int, resolved: Resolved) -> _Row:
+        """The row of `raw`'s sums, with its resolution."""
         tgid, tid, st, us, ks, total, count, mx, comm, waker = raw
-        kernel, user, before, w, start, final = self._rows.resolve(tgid, tid, st, us, ks, waker,
-                                                                   deadline)
+        kernel, user, before, w, start, final = resolved
         return _Row(total, count, mx, comm, kernel, user, before, w, start, tgid, tid, st, us, ks,
                     event, seq, final, waker[2], waker[3])
 
@@ -675,7 +675,7 @@ def _errors_by_cause(c: Mapping[str, int]) -> tuple[dict[str, int], dict[str, in
                             # Blocks whose end (switch-in) the kernel ran
                             # without the probe (offcpu.c on_switch_out).
                             ("block ends unseen", "end_unseen"))
-        if c.get(name)
+        if c[name]
     }
     return stack_errors, drops
 

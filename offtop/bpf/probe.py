@@ -387,8 +387,7 @@ class Probe:
             i = _U32.unpack(k)[0]
             if i in sums:
                 sums[i] = sum(_U64.unpack_from(v, c * 8)[0] for c in range(table.ncpus))
-        out = {name: sums[i] for i, name in enumerate(COUNTERS)}
-        return out
+        return {name: sums[i] for i, name in enumerate(COUNTERS)}
 
     # --- stacks -------------------------------------------------------------
 

@@ -62,6 +62,40 @@ class RowFrames:
     def resolve(self, tgid: int, tid: int, st: int, us: int, ks: int, waker: RawWaker,
                 deadline: float) -> Resolved:
         """(kernel, user, before, waker, start, final) of one summed row."""
+        key, start, python, kept = self._lookup(tgid, tid, st, us, ks)
+        final = kept is not None
+        if kept is not None:
+            kernel, user, before = kept
+        else:
+            self.misses += 1
+            frames = self._frames
+            assert frames.stacks is not None
+            kernel, user, before = frames.frames_of(tgid, tid, st, us, ks, deadline)
+            if (start and not python and not st & ST_BEFORE_START and not frames.gave_up()
+                    and frames.stacks.final(tgid, start, us)):
+                self._kept.put(key, (kernel, user, before))
+                final = True
+        w, waker_final = self.waker(waker)
+        return kernel, user, before, w, start, final and waker_final
+
+    def kept(self, tgid: int, tid: int, st: int, us: int, ks: int,
+             waker: RawWaker) -> Resolved | None:
+        """`resolve`'s answer from what is kept alone, nothing read or symbolized; None
+        if the row's frames are not kept. For the rows summed once a stop's time to
+        resolve is over: a key seen before keeps its stacks (a waker not kept is
+        named without its stacks, `kept_waker`)."""
+        _key, start, _python, kept = self._lookup(tgid, tid, st, us, ks)
+        if kept is None:
+            return None
+        w, waker_final = self.kept_waker(waker)
+        return *kept, w, start, waker_final
+
+    def _lookup(self, tgid: int, tid: int, st: int, us: int, ks: int
+                ) -> tuple[tuple[int, ...], int, bool,
+                           tuple[tuple[Frame, ...], tuple[Frame, ...], bool] | None]:
+        """(key, process start time, whether Python, kept frames or None) of a row.
+        Ids renumbered since (the store's generation) empty what is kept first; a
+        hit stamps the row's stacks as used (as resolving would)."""
         frames = self._frames
         stacks = frames.stacks
         assert stacks is not None
@@ -74,43 +108,10 @@ class RowFrames:
         python = py is not None and py.is_python(tgid)
         key = (tgid, start, tid, st, us, ks)
         kept = None if python else self._kept.get(key)
-        final = kept is not None
         if kept is not None:
             stacks.touch(ks, us)
             self.hits += 1
-            kernel, user, before = kept
-        else:
-            self.misses += 1
-            kernel, user, before = frames.frames_of(tgid, tid, st, us, ks, deadline)
-            if (start and not python and not st & ST_BEFORE_START and not frames.gave_up()
-                    and stacks.final(tgid, start, us)):
-                self._kept.put(key, (kernel, user, before))
-                final = True
-        w, waker_final = self.waker(waker)
-        return kernel, user, before, w, start, final and waker_final
-
-    def kept(self, tgid: int, tid: int, st: int, us: int, ks: int,
-             waker: RawWaker) -> Resolved | None:
-        """`resolve`'s answer from what is kept alone, nothing read or symbolized; None
-        if the row's frames are not kept. For the rows summed once a stop's time to
-        resolve is over: a key seen before keeps its stacks (a waker not kept is
-        named without its stacks, `kept_waker`)."""
-        frames = self._frames
-        stacks = frames.stacks
-        assert stacks is not None
-        if stacks.generation != self._generation:
-            return None
-        start = frames.start_of(tgid)
-        py = frames.python
-        if py is not None and py.is_python(tgid):
-            return None
-        kept = self._kept.get((tgid, start, tid, st, us, ks))
-        if kept is None:
-            return None
-        stacks.touch(ks, us)
-        self.hits += 1
-        w, waker_final = self.kept_waker(waker)
-        return *kept, w, start, waker_final
+        return key, start, python, kept
 
     def kept_waker(self, raw: RawWaker) -> tuple[Waker | None, bool]:
         """`waker`'s answer if kept; else the waker named without its stacks (not
