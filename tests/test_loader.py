@@ -369,6 +369,19 @@ def test_deleting_many_from_a_map_without_batch_commands_deletes_one_by_one(
 
 
 @pytest.mark.bpf
+def test_deleting_many_skips_keys_gone_already_wherever_they_are(new_map: Any) -> None:
+    """A sweep deletes ids some of which the program's LRU has evicted already:
+    each gone key stops the kernel's batch, and the rest is deleted past it."""
+    m = new_map(maps.HASH, 4, 8, 4096)
+    for i in range(0, 2000, 2):
+        m.update(u32(i), u64(i))
+    asked = [u32(i) for i in range(2000)] + [u32(0)]  # every other one gone; one twice
+    assert m.delete_many(asked) == 1000
+    assert m.batch_ok is True and m.items() == []
+    assert m.delete_many([]) == 0
+
+
+@pytest.mark.bpf
 @pytest.mark.parametrize("mtype", [maps.HASH, maps.LRU_HASH])
 def test_hash_map_operations(new_map: Any, mtype: int) -> None:
     m = new_map(mtype, 4, 8, 4096)  # an LRU map evicts early when nearly full: room enough

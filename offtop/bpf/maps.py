@@ -446,28 +446,41 @@ class BpfMap:
             first = False
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Delete these keys (BPF_MAP_DELETE_BATCH where the kernel has it); how many went."""
+        """Delete these keys (BPF_MAP_DELETE_BATCH where the kernel has it); how many went.
+
+        The keys go into one buffer, once: the kernel stops at a key that is
+        gone already and says how many it deleted before it, and the next
+        command starts past that key in the same buffer (re-packing the rest
+        per miss made a sweep of many gone keys quadratic).
+        """
+        n = len(keys)
+        if not n:
+            return 0
+        ks = self.key_size
+        buf = ct.create_string_buffer(b"".join(keys), n * ks)
+        base = _addr(buf)
         gone = 0
-        rest = list(keys)
-        while rest and self.batch_ok is not False:
-            n = len(rest)
-            buf = ct.create_string_buffer(b"".join(rest), n * self.key_size)
-            attr = _BatchAttr(keys=_addr(buf), count=n, map_fd=self.fd)
+        at = 0  # the first key not yet tried
+        while at < n and self.batch_ok is not False:
+            left = n - at
+            attr = _BatchAttr(keys=base + at * ks, count=left, map_fd=self.fd)
             res = syscalls.bpf(syscalls.BPF_MAP_DELETE_BATCH, attr)
             if res == 0:
-                return gone + n
+                self.batch_ok = True
+                return gone + left
             # A map type without the command (a stack map) fails before the
-            # kernel writes the count back: it still reads n.
-            if _unsupported(res) and attr.count in (0, n):
+            # kernel writes the count back: it still reads `left`.
+            if _unsupported(res) and attr.count in (0, left):
                 self.batch_ok = False
                 break
             if res != -errno.ENOENT:
                 raise _fail(-res, f"batch delete in {self.name}")
+            self.batch_ok = True
             # It stopped at a key that was gone already: skip that one.
             done = int(attr.count)
             gone += done
-            rest = rest[done + 1:]
-        return gone + sum(self.delete(k) for k in rest)
+            at += done + 1
+        return gone + sum(self.delete(k) for k in keys[at:])
 
     def close(self) -> None:
         """Close the fd (the kernel frees the map with its last reference)."""
