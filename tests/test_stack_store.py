@@ -111,13 +111,14 @@ class FakeUserSymbols:
         return tuple(Frame(f"u{a:x}") for a in addrs)
 
 
-def test_user_ids_of_processes_gone_are_deleted_a_sweep_after_they_were_found_gone() -> None:
+def test_user_ids_of_processes_gone_are_deleted_at_once_unless_used_lately() -> None:
     """Under process churn the LRU map filled with dead processes' stacks and
     then evicted fresh ones before they were read: the ids of processes gone
-    are deleted, but not those a process alive shares, and only at the sweep
-    after the one that found them gone (a row summed just before a process
-    ended is still read)."""
-    maps = FakeStackMaps(range(0), range(4))
+    are deleted, but not those a process alive shares. An id a row used in
+    this interval or the one before waits for the next sweep (a row summed
+    just before a process ended is still read); the others go at the sweep
+    that finds their process gone, before the map's LRU evicts them itself."""
+    maps = FakeStackMaps(range(0), range(5))
     alive = {100: 7, 200: 9}
     s = StackStore(maps, kernel_symbols=None, user_symbols=FakeUserSymbols(),  # type: ignore[arg-type]
                    capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64,
@@ -125,14 +126,17 @@ def test_user_ids_of_processes_gone_are_deleted_a_sweep_after_they_were_found_go
     s.next_interval(1)
     for pid, start, sid in ((100, 7, 0), (100, 7, 1), (200, 9, 1), (200, 9, 2)):
         assert s.user(pid, start, sid)
+    s.next_interval(4)
+    assert s.user(100, 7, 3)  # used in the interval before the sweep
     del alive[100]
     s.next_interval(5)
     s.trim()  # the sweep that finds 100 gone
-    assert maps.deleted == []
+    assert maps.deleted == [("u", 0)]  # id 1 is 200's too; id 3 was used lately
+    assert s.stats.user_freed == 1 and s.last_use("u", 0) is None
     s.next_interval(10)
     s.trim()
-    assert maps.deleted == [("u", 0)]  # id 1 is 200's too
-    assert s.stats.user_freed == 1 and s.last_use("u", 0) is None
+    assert maps.deleted == [("u", 0), ("u", 3)]
+    assert s.stats.user_freed == 2 and s.last_use("u", 3) is None
     assert s.user(200, 9, 1) == (Frame("u401001"),)
 
 
@@ -152,3 +156,27 @@ def test_a_sweep_reads_start_times_through_the_reader_it_is_given() -> None:
     s.next_interval(5)
     s.trim(lambda pid: asked.append(pid) or None)
     assert asked == [100]
+
+
+def test_a_sweep_deletes_only_the_ids_the_map_still_holds() -> None:
+    """Under churn the map's LRU evicts most dead processes' ids before a sweep,
+    and each delete of a gone id is a system call: from `PRESENT_CHECK` ids on,
+    the map's ids are read first and only those still there are deleted (the
+    others are forgotten all the same)."""
+    maps = FakeStackMaps(range(0), range(6))
+    alive = {100: 7}
+    s = StackStore(maps, kernel_symbols=None, user_symbols=FakeUserSymbols(),  # type: ignore[arg-type]
+                   capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64,
+                   start_time=alive.get)
+    s.PRESENT_CHECK = 3
+    s.next_interval(1)
+    for sid in range(6):
+        assert s.user(100, 7, sid)
+    for sid in (1, 2, 4):  # evicted by the map's LRU meanwhile
+        del maps.stacks[("u", sid)]
+    del alive[100]
+    s.next_interval(5)
+    s.trim()
+    assert sorted(maps.deleted) == [("u", 0), ("u", 3), ("u", 5)]
+    assert s.stats.user_freed == 3
+    assert all(s.last_use("u", sid) is None for sid in range(6))
