@@ -180,3 +180,28 @@ def test_a_sweep_deletes_only_the_ids_the_map_still_holds() -> None:
     assert sorted(maps.deleted) == [("u", 0), ("u", 3), ("u", 5)]
     assert s.stats.user_freed == 3
     assert all(s.last_use("u", sid) is None for sid in range(6))
+
+
+def test_an_id_processes_share_is_deleted_once_the_last_of_them_is_gone() -> None:
+    """Frames are cached per process, and an id two processes hold (one binary
+    mapped at one address, e.g. not position-independent) outlives the first to
+    go: the map keeps it until no process alive holds it."""
+    maps = FakeStackMaps(range(0), range(3))
+    alive = {100: 7, 200: 9}
+    s = StackStore(maps, kernel_symbols=None, user_symbols=FakeUserSymbols(),  # type: ignore[arg-type]
+                   capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64,
+                   start_time=alive.get)
+    s.next_interval(1)
+    for pid, start, sid in ((100, 7, 0), (100, 7, 1), (200, 9, 1), (200, 9, 2)):
+        assert s.user(pid, start, sid)
+    assert s.cached == 4
+    del alive[100]
+    s.next_interval(5)
+    s.trim()
+    assert maps.deleted == [("u", 0)] and s.cached == 2
+    assert s.final(200, 9, 1) and not s.final(100, 7, 1)
+    del alive[200]
+    s.next_interval(10)
+    s.trim()
+    assert sorted(maps.deleted) == [("u", 0), ("u", 1), ("u", 2)] and s.cached == 0
+

@@ -95,8 +95,13 @@ class StackStore:
         # Per kind: id -> the interval it was last used in (ints as keys: stamped
         # for every row of every interval on a busy server).
         self._last_use: dict[str, dict[int, int]] = {"k": {}, "u": {}}
-        self._frames: dict[tuple[str, int, int, int], tuple[Frame, ...]] = {}
-        self._retry: dict[tuple[str, int, int, int], int] = {}  # key -> interval to look again
+        self._kernel: dict[int, tuple[Frame, ...]] = {}
+        # User frames per process (pid, start time): a sweep drops a process's
+        # at once, without a walk over every stack cached.
+        self._user: dict[tuple[int, int], dict[int, tuple[Frame, ...]]] = {}
+        self._holders: dict[int, int] = {}  # user id -> processes caching frames for it
+        self._cached_user = 0
+        self._retry: dict[tuple[int, int, int], int] = {}  # (pid, start, id) -> interval to look again
         self._dead_ids: set[int] = set()  # user ids of processes gone at the last sweep
         self._seq = 0
         self.stats = StackStats()
@@ -107,7 +112,7 @@ class StackStore:
     @property
     def cached(self) -> int:
         """Stacks whose frames are cached."""
-        return len(self._frames)
+        return len(self._kernel) + self._cached_user
 
     @property
     def used(self) -> int:
@@ -144,8 +149,7 @@ class StackStore:
         stack", since every other is counted as a lost stack at each use)."""
         if sid < 0:
             return sid == -EFAULT or self.user_symbols is None
-        key = ("u", sid, pid, start)
-        return key in self._frames and key not in self._retry
+        return sid in self._user.get((pid, start), ()) and (pid, start, sid) not in self._retry
 
     def whole(self, pid: int, start: int, sid: int) -> bool:
         """Whether the user frames of `sid` in process (`pid`, `start`) are final and
@@ -153,7 +157,7 @@ class StackStore:
         an unwinder to add."""
         if sid < 0 or not self.final(pid, start, sid):
             return False
-        frames = self._frames[("u", sid, pid, start)]
+        frames = self._user[(pid, start)][sid]
         return bool(frames) and frames[-1].name not in (MARK_TRUNCATED, MARK_DEPTH_LIMIT)
 
     def kernel(self, sid: int) -> tuple[Frame, ...]:
@@ -161,15 +165,14 @@ class StackStore:
         if sid < 0 or self.kernel_symbols is None:
             return ()
         self._last_use["k"][sid] = self._seq
-        key = ("k", sid, 0, 0)
-        frames = self._frames.get(key)
+        frames = self._kernel.get(sid)
         if frames is None:
             addrs = self._maps.stack("k", sid)
             frames = self.kernel_symbols.resolve_stack(addrs) if addrs else ()
             if addrs and len(addrs) >= self._kdepth:
                 frames = (*frames, Frame(name=MARK_DEPTH_LIMIT, kernel=True))
                 self.stats.depth_limited += 1
-            self._frames[key] = frames
+            self._kernel[sid] = frames
         return frames
 
     def user(self, pid: int, start: int, sid: int, *, deadline: float | None = None) -> tuple[Frame, ...]:
@@ -187,9 +190,10 @@ class StackStore:
             self.stats.user_lost += 1
             return _USER_LOST
         self._last_use["u"][sid] = self._seq
-        key = ("u", sid, pid, start)
-        frames = self._frames.get(key)
+        cached = self._user.get((pid, start))
+        frames = cached.get(sid) if cached is not None else None
         if frames is not None:
+            key = (pid, start, sid)
             retry = self._retry.get(key)
             if retry is None or self._seq < retry:
                 return frames
@@ -219,14 +223,40 @@ class StackStore:
             frames = (*frames, Frame(name=MARK_DEPTH_LIMIT))
             self.stats.depth_limited += 1
         if complete:
-            self._frames[key] = frames
+            self._keep(pid, start, sid, frames)
         elif start:
             # A miss may resolve later (a library not read yet, a time
             # budget): look again in a few intervals, not at every use. (A
             # process already gone will not get better: not kept.)
-            self._frames[key] = frames
-            self._retry[key] = self._seq + self.RETRY_INTERVALS
+            self._keep(pid, start, sid, frames)
+            self._retry[(pid, start, sid)] = self._seq + self.RETRY_INTERVALS
         return frames
+
+    def _keep(self, pid: int, start: int, sid: int, frames: tuple[Frame, ...]) -> None:
+        cached = self._user.setdefault((pid, start), {})
+        if sid not in cached:
+            self._holders[sid] = self._holders.get(sid, 0) + 1
+            self._cached_user += 1
+        cached[sid] = frames
+
+    def _drop(self, pid: int, start: int, sid: int) -> None:
+        """Forget one process's frames of `sid` (kept in the probe's map)."""
+        cached = self._user.get((pid, start))
+        if cached is None or cached.pop(sid, None) is None:
+            return
+        self._cached_user -= 1
+        if not cached:
+            del self._user[(pid, start)]
+        self._release(sid)
+
+    def _release(self, sid: int) -> bool:
+        """One process fewer caches `sid`: whether none does now."""
+        left = self._holders[sid] - 1
+        if left:
+            self._holders[sid] = left
+            return False
+        del self._holders[sid]
+        return True
 
     def reclaim(self, live: set[tuple[str, int]]) -> None:
         """Free ids unused for a few intervals and not held by a task asleep now.
@@ -261,9 +291,9 @@ class StackStore:
             del kernels[sid]
         if victims:
             self.generation += 1
-            gone = {("k", sid) for sid in victims}
-            self._frames = {k: v for k, v in self._frames.items() if (k[0], k[1]) not in gone}
-            self._retry = {k: v for k, v in self._retry.items() if (k[0], k[1]) not in gone}
+            kernel = self._kernel
+            for sid in victims:
+                kernel.pop(sid, None)
             self.stats.reclaimed += len(victims)
 
     def _half_full(self) -> set[str]:
@@ -281,12 +311,15 @@ class StackStore:
         stale = [k for k, due in self._retry.items() if due < self._seq]
         for k in stale:
             del self._retry[k]
-            self._frames.pop(k, None)
+            self._drop(*k)
         if self._seq % self.SWEEP_INTERVALS == 0:
             self._sweep_gone(start_time or self._start_time)
-        if len(self._frames) > self._max_cached:
+        if self.cached > self._max_cached:
             self.generation += 1
-            self._frames.clear()
+            self._kernel.clear()
+            self._user.clear()
+            self._holders.clear()
+            self._cached_user = 0
             self._retry.clear()
 
     def _sweep_gone(self, start_time: Callable[[int], int | None]) -> None:
@@ -295,27 +328,26 @@ class StackStore:
         cache's bound, holding every dead process's frames."""
         if self._repair is not None:
             self._repair.sweep(start_time)
-        ids_of: dict[tuple[int, int], set[int]] = {}  # process -> its user stack ids
-        for kind, sid, pid, start in self._frames:
-            if kind == "u":
-                ids_of.setdefault((pid, start), set()).add(sid)
-        gone = {p for p in ids_of if not p[1] or start_time(p[0]) != p[1]}
-        alive_ids = set().union(*[ids for p, ids in ids_of.items() if p not in gone])
-        # The ids of processes gone, used by no process alive, are deleted from
-        # the probe's map: at once if no row used them in this interval or the
-        # one before, else at the next sweep (a row summed just before its
+        gone = [p for p in self._user if not p[1] or start_time(p[0]) != p[1]]
+        # The ids of processes gone, cached for no process alive, are deleted
+        # from the probe's map: at once if no row used them in this interval or
+        # the one before, else at the next sweep (a row summed just before its
         # process ended is read within a sub-tick). Waiting a sweep for all of
         # them left the map's LRU to evict most first (see _free_user_ids).
-        dead = set().union(*[ids_of[p] for p in gone]) - alive_ids
+        dead = set()
+        for p in gone:
+            cached = self._user.pop(p)
+            self._cached_user -= len(cached)
+            dead.update([sid for sid in cached if self._release(sid)])
         used = self._last_use["u"]
         recent = self._seq - 1
         waiting = {sid for sid in dead if used.get(sid, -1) >= recent}
-        self._free_user_ids((self._dead_ids - alive_ids) | (dead - waiting))
+        holders = self._holders
+        self._free_user_ids({sid for sid in self._dead_ids if sid not in holders} | (dead - waiting))
         self._dead_ids = waiting
-        if gone:
-            self._frames = {k: v for k, v in self._frames.items()
-                            if k[0] != "u" or (k[2], k[3]) not in gone}
-            self._retry = {k: v for k, v in self._retry.items() if (k[2], k[3]) not in gone}
+        if gone and self._retry:
+            dropped = set(gone)
+            self._retry = {k: v for k, v in self._retry.items() if (k[0], k[1]) not in dropped}
 
     def _free_user_ids(self, ids: set[int]) -> None:
         """Delete user stack ids from the probe's map. Its LRU would make room
