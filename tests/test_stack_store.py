@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from offtop.bpf.stack_store import StackStore
-from offtop.model import Frame
+from offtop.model import MARK_USER_STACK_LOST, Frame
 
 
 class FakeStackMaps:
@@ -205,3 +205,25 @@ def test_an_id_processes_share_is_deleted_once_the_last_of_them_is_gone() -> Non
     s.trim()
     assert sorted(maps.deleted) == [("u", 0), ("u", 1), ("u", 2)] and s.cached == 0
 
+
+def test_stacks_the_probe_sent_whole_are_read_once_without_the_map() -> None:
+    """New user stacks come through a ring as the probe stores them
+    (`offer_user`): read from there, not from the map (which may have evicted
+    them meanwhile); an id already cached is not kept again, an id not offered
+    is read from the map, and the unread ones are bounded."""
+    maps = FakeStackMaps(range(0), range(3))
+    s = StackStore(maps, kernel_symbols=None, user_symbols=FakeUserSymbols(),  # type: ignore[arg-type]
+                   capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64,
+                   start_time={100: 7}.get)
+    s.next_interval(1)
+    assert s.user(100, 7, 0) == (Frame("u401000"),)  # from the map
+    packed = (0x401007).to_bytes(8, "little") + (0x401008).to_bytes(8, "little")
+    s.offer_user([(0, (0xBAD).to_bytes(8, "little")), (5, packed)])
+    del maps.stacks[("u", 1)]  # evicted by the map's LRU: not offered either
+    assert s.user(100, 7, 5) == (Frame("u401007"), Frame("u401008"))  # not in the map
+    assert s.user(100, 7, 0) == (Frame("u401000"),)  # cached: the offer was passed over
+    assert s.user(100, 7, 1)[0].name == MARK_USER_STACK_LOST
+    s.FRESH_MAX = 4
+    s.offer_user([(sid, packed) for sid in range(10, 20)])
+    assert s.user(100, 7, 19)[0].name == "u401007"  # the newest are kept
+    assert s.user(100, 7, 10)[0].name == MARK_USER_STACK_LOST  # the oldest went

@@ -224,3 +224,23 @@ def test_twenty_thousand_distinct_stacks_keep_their_user_stacks(tmp_path: Path) 
     assert len(distinct) >= 19_000, len(distinct)
     assert blocks > 50_000
     assert without / blocks < 0.01, (without, blocks)
+
+
+def test_user_stacks_the_map_evicts_before_they_are_read_still_resolve(tmp_path: Path) -> None:
+    # 400 distinct stacks through a user-stack map of 64 ids: the map's LRU
+    # evicts each ~64 blocks after storing it (~35 ms here), long before the
+    # engine's next sub-tick reads it. The probe sends each new stack whole as
+    # it stores it (new_user_stacks), so no block loses its user stack.
+    binary = build(tmp_path, "many_stacks.c", "-O1", "-fno-omit-frame-pointer",
+                   "-fno-optimize-sibling-calls")
+    with running(str(binary), "400", "2", "1000000") as (proc, _):
+        snaps = engine_snapshots(6, pids=(proc.pid,), threshold_ns=10**9, ustack_entries=64,
+                                 new_stack_pages=256)
+    steady = snaps[3:]  # once the probe has its rules (stacks whole)
+    blocks = sum(t.count for s in steady for t in s.tasks)
+    lost = sum(st.count for s in steady for st in s.stacks
+               if st.user and st.user[0].name == MARK_USER_STACK_LOST)
+    distinct = {tuple(f.name for f in st.user) for s in steady for st in s.stacks
+                if any(f.name.startswith("offtop_ms_") for f in st.user)}
+    assert blocks > 1_000 and len(distinct) >= 390, (blocks, len(distinct))
+    assert lost / blocks < 0.01, (lost, blocks)

@@ -36,6 +36,8 @@ class EngineConfig:
     #: (offcpu.c unwind_rules holds 65,536; a gone process's are deleted).
     unwind_rules: int = 65_536
     perf_pages: int = 256
+    #: Pages per CPU of the ring new user stacks come through (~150 bytes each).
+    new_stack_pages: int = 64
     wakeup_events: int = 64
     subtick_s: float = 0.25
     first_interval_s: float = 0.5

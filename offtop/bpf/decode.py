@@ -114,6 +114,28 @@ ST_BEFORE_START = 0x80000000
 FP_FRAME_TAG = 1 << 63
 
 
+def stack_addresses(raw: bytes) -> tuple[int, ...]:
+    """The addresses of a stack packed as u64s (a stack map's value), up to its first 0."""
+    ips = struct.unpack(f"<{len(raw) // 8}Q", raw)
+    try:
+        return ips[:ips.index(0)]
+    except ValueError:
+        return ips
+
+
+def new_user_stacks(records: list[bytes]) -> list[tuple[int, bytes]]:
+    """(id, packed frames) of each record the probe sent through `new_user_stacks`
+    (offcpu.c): the id in a u64, then the frames, a u64 each; the kernel pads a
+    record to 8 bytes with its 4-byte size, so the frames are the whole u64s
+    after the id. The frames stay packed until read (`stack_addresses`)."""
+    out = []
+    for rec in records:
+        n = (len(rec) - 8) // 8
+        if n > 0:
+            out.append((int.from_bytes(rec[:4], "little"), rec[8: 8 + 8 * n]))
+    return out
+
+
 class AccRecord(ct.Structure):
     """Mirrors `struct acc_rec` in offcpu.c (a thread's short blocks of one generation)."""
 

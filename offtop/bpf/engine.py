@@ -31,7 +31,14 @@ from offtop.bpf.blocked import BlockedNowReader
 from offtop.bpf.budget import SelfCost
 from offtop.bpf.compiler_memory import release_compiler_memory, trim_heap
 from offtop.bpf.config import EngineConfig, EngineError
-from offtop.bpf.decode import EVENT_STRUCT, ST_BEFORE_START, STATE_BITS, decode_comm, state_name
+from offtop.bpf.decode import (
+    EVENT_STRUCT,
+    ST_BEFORE_START,
+    STATE_BITS,
+    decode_comm,
+    new_user_stacks,
+    state_name,
+)
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.perf_ring import PerfRing
 from offtop.bpf.probe import Probe, RawRow, RawSums, agg_key
@@ -60,6 +67,9 @@ from offtop.targets import TargetWatch, task_start_time
 from offtop.unwind import Unwinder
 
 __all__ = ["BpfSource", "EngineConfig", "EngineError"]
+
+#: The probe's perf event array of new user stacks (offcpu.c).
+NEW_USER_STACKS = "new_user_stacks"
 
 #: The stack ids of a row summed per thread and state once a stop came: no id the
 #: probe hands out (those are s32; -1 with -1 is a block from before the start).
@@ -157,6 +167,7 @@ class BpfSource:
         self._rows = RowFrames(self.frames, self._wakers)
         self._comms: dict[bytes, str] = {}  # raw comm -> decoded
         self._ring: PerfRing | None = None
+        self._stack_ring: PerfRing | None = None  # new user stacks, whole (see StackStore.offer_user)
         self._blocked: BlockedNowReader | None = None
         self._stats = ProbeStats()
         self._self_cost = SelfCost()
@@ -215,6 +226,11 @@ class BpfSource:
             self.probe.load(self.flood.effective(self._user_threshold_ns))
             self._ring = PerfRing(self.probe.set_perf_fd, pages=cfg.perf_pages,
                                   wakeup_events=cfg.wakeup_events)
+            if cfg.user_stacks and self.probe.has_map(NEW_USER_STACKS):
+                # Drained at each sub-tick, never waited on: no wakeups wanted.
+                self._stack_ring = PerfRing(
+                    functools.partial(self.probe.set_perf_fd, ring=NEW_USER_STACKS),
+                    pages=cfg.new_stack_pages, wakeup_events=1 << 30)
             # The program records nothing until its maps are set and every
             # CPU's ring is in place (else its first events would fail).
             self.probe.arm()
@@ -324,9 +340,10 @@ class BpfSource:
         if self._closed:
             return
         self._closed = True
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
+        for ring in (self._ring, self._stack_ring):
+            if ring is not None:
+                ring.close()
+        self._ring = self._stack_ring = None
         if self._usyms is not None:
             self._usyms.close()
         self.probe.close()
@@ -372,6 +389,17 @@ class BpfSource:
         self._events_total += len(raw)
         raw.clear()
 
+    def _read_new_stacks(self) -> None:
+        """Hand the user stacks the probe stored since the last call to the stack store."""
+        ring = self._stack_ring
+        stacks = self.frames.stacks
+        if ring is None or stacks is None:
+            return
+        records: list[bytes] = []
+        ring.drain(records)
+        if records:
+            stacks.offer_user(new_user_stacks(records))
+
     def _subtick(self, now: float) -> None:
         """Resolve what arrived since the last sub-tick, while processes live."""
         self._next_subtick = now + self.config.subtick_s
@@ -383,6 +411,7 @@ class BpfSource:
         # (or, once a stop came, the moment the probe stopped recording).
         self._cut_at = min(self._clock(), self.probe.stopped_at)
         drained = self.probe.drain_aggregates()
+        self._read_new_stacks()  # after the rows: their stacks were sent before them
         self._control_flood(now)
         self._check_targets()
         if self.frames.python is not None:
@@ -582,6 +611,7 @@ class BpfSource:
         self._rows.next_interval()
         self._wakers.next_interval()
         assert self._blocked is not None
+        self._read_new_stacks()
         blocked, live = self.frames.blocked_now(
             self._blocked, self.targets.watching, symbol_budget_s=self.config.symbol_budget_s,
             unwind_budget_s=self.config.unwind_budget_s)

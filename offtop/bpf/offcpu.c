@@ -209,9 +209,15 @@ BPF_TABLE("stacktrace", int, struct kstack_t, kernel_stacks, OFFTOP_STACK_ENTRIE
 // Python teaches unwinding rules, each site's stack grows by a frame or two
 // and briefly exists in several versions).
 BPF_TABLE("lru_hash", u32, struct ustack_t, user_stacks, OFFTOP_USTACK_ENTRIES);
-// One frame longer than a stack, so the terminating 0 always has a place.
-struct ustack_scratch_t { u64 ip[OFFTOP_USTACK_DEPTH + 1]; };
+// One frame longer than a stack, so the terminating 0 always has a place;
+// the id in front: a new stack is also sent whole, id first, through
+// new_user_stacks, so that Python has its frames without a lookup per id
+// (one system call each: thousands a second under process churn) and even
+// once the LRU has evicted it (Python falls back to the map when a record
+// was lost).
+struct ustack_scratch_t { u64 id; u64 ip[OFFTOP_USTACK_DEPTH + 1]; };
 BPF_PERCPU_ARRAY(ustack_scratch, struct ustack_scratch_t, 1);
+BPF_PERF_OUTPUT(new_user_stacks);
 // The walk's frame count, passed through memory: see walk_user_stack().
 BPF_PERCPU_ARRAY(ustack_len, u64, 1);
 #else
@@ -436,7 +442,7 @@ static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_re
     u64 h = 0x9E3779B97F4A7C15ULL;
     u32 n;
     if (ip_cs[1] != 0x33) {     // not __USER_CS: a 32-bit task
-        long bytes = bpf_get_stack(args, st, sizeof(struct ustack_t), BPF_F_USER_STACK);
+        long bytes = bpf_get_stack(args, st->ip, sizeof(struct ustack_t), BPF_F_USER_STACK);
         if (bytes <= 0)
             return -14;
         n = (u64)bytes / 8;
@@ -512,9 +518,12 @@ static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_re
     u32 id = (u32)(h >> 33);
     struct ustack_t *have = user_stacks.lookup(&id);
     if (!have) {
-        int err = user_stacks.insert(&id, (struct ustack_t *)st);
-        if (err == 0)
+        int err = user_stacks.insert(&id, (struct ustack_t *)st->ip);
+        if (err == 0) {
+            st->id = id;
+            new_user_stacks.perf_submit(args, st, 8 + frames * 8);   // frames <= DEPTH
             return id;
+        }
         have = user_stacks.lookup(&id);     // inserted meanwhile on another CPU?
         if (!have)
             return err == -17 ? -17 : -12;

@@ -37,6 +37,7 @@ from offtop.bpf.decode import (
     free_slot,
     generation_sums,
     owned_slots,
+    stack_addresses,
 )
 from offtop.bpf.loader.cache import DEFAULT_DIR, ArtifactCache
 from offtop.bpf.loader.kernel import LoadedObject, LoadFailed
@@ -193,10 +194,11 @@ class Probe:
         self._touched_mm = mmap.mmap(self._map("offcpu_touched").fd, 2 * n,
                                      mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
-    def set_perf_fd(self, cpu: int, fd: int) -> None:
-        """Point the program's perf event array slot for `cpu` at our ring's fd."""
+    def set_perf_fd(self, cpu: int, fd: int, *, ring: str = "offcpu_events") -> None:
+        """Point the slot for `cpu` of the program's perf event array `ring` (its
+        block events, or `new_user_stacks`) at our ring's fd."""
         try:
-            self._map("offcpu_events").update(_U32.pack(cpu), _U32.pack(fd))
+            self._map(ring).update(_U32.pack(cpu), _U32.pack(fd))
         except OSError:
             raise EngineError(f"could not attach the perf ring of CPU {cpu}") from None
 
@@ -263,6 +265,10 @@ class Probe:
     def task_regs_unavailable(self) -> str:
         """Why saved registers cannot be read ('' if they can, or were never asked for)."""
         return self._task_regs.unavailable if self._task_regs is not None else ""
+
+    def has_map(self, name: str) -> bool:
+        """Whether the loaded program has map `name` (some exist on x86-64 only)."""
+        return self._obj is not None and name in self._obj.maps
 
     def _map(self, name: str) -> BpfMap:
         if self._obj is None:
@@ -402,13 +408,7 @@ class Probe:
         if reader is None:
             reader = self._stack_readers[kind] = ElementReader(self._stack_table(kind))
         raw = reader.lookup(_U32.pack(sid & 0xFFFFFFFF))
-        if raw is None:
-            return None
-        ips = struct.unpack(f"<{len(raw) // 8}Q", raw)
-        try:
-            return ips[:ips.index(0)]
-        except ValueError:
-            return ips
+        return None if raw is None else stack_addresses(raw)
 
     def stack_ids(self, kind: str) -> Iterable[int]:
         """Every id in use in a stack map."""

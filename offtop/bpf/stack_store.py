@@ -7,6 +7,10 @@ frames, and deletes ids nothing has referenced for a while: the kernel
 never frees a stack id, and a full map silently turns every new stack into
 -ENOMEM.
 
+New user stacks also arrive whole through a ring as the probe stores them
+(`offer_user`): read from there, the map is not asked (nor too late, once
+its LRU has evicted them).
+
 Ids are reused by the program once deleted, so cached frames go with them.
 User frames are cached per (id, pid, process start time): the addresses
 mean something only in their own process, and a pid reused by another
@@ -15,11 +19,13 @@ process must not find the old process's names.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from offtop.bpf.decode import stack_addresses
 from offtop.model import MARK_DEPTH_LIMIT, MARK_TRUNCATED, MARK_USER_STACK_LOST, Frame
 from offtop.symbols import KernelSymbols, UserSymbols
 from offtop.targets import task_start_time
@@ -69,6 +75,8 @@ class StackStore:
     SWEEP_INTERVALS = 5
     #: From this many user ids to delete, the ids still in the map are read first.
     PRESENT_CHECK = 1024
+    #: User stacks the probe sent whole (`offer_user`) are kept at most this many, unread.
+    FRESH_MAX = 16_384
 
     def __init__(
         self,
@@ -103,6 +111,7 @@ class StackStore:
         self._cached_user = 0
         self._retry: dict[tuple[int, int, int], int] = {}  # (pid, start, id) -> interval to look again
         self._dead_ids: set[int] = set()  # user ids of processes gone at the last sweep
+        self._fresh: dict[int, bytes] = {}  # user id -> its frames, packed, as the probe sent them
         self._seq = 0
         self.stats = StackStats()
         #: Bumped whenever ids are deleted or cached frames dropped wholesale: what
@@ -160,6 +169,22 @@ class StackStore:
         frames = self._user[(pid, start)][sid]
         return bool(frames) and frames[-1].name not in (MARK_TRUNCATED, MARK_DEPTH_LIMIT)
 
+    def offer_user(self, stacks: list[tuple[int, bytes]]) -> None:
+        """User stacks as the probe stored them, (id, frames packed as u64s): the
+        frames of an id are read from here once, not from the probe's map (a
+        system call per id: thousands a second under process churn; and the map's
+        LRU may have evicted an id before it is read). Ids whose frames are
+        cached already are passed over; past `FRESH_MAX` unread, the oldest go
+        (an id not here is read from the map, as before)."""
+        fresh = self._fresh
+        holders = self._holders
+        for sid, raw in stacks:
+            if sid not in holders:
+                fresh[sid] = raw
+        if len(fresh) > self.FRESH_MAX:
+            for sid in list(itertools.islice(fresh, len(fresh) - self.FRESH_MAX // 2)):
+                del fresh[sid]
+
     def kernel(self, sid: int) -> tuple[Frame, ...]:
         """The kernel frames of id `sid` (() for none)."""
         if sid < 0 or self.kernel_symbols is None:
@@ -198,7 +223,8 @@ class StackStore:
             if retry is None or self._seq < retry:
                 return frames
             del self._retry[key]
-        addrs = self._maps.stack("u", sid)
+        raw = self._fresh.pop(sid, None)
+        addrs = self._maps.stack("u", sid) if raw is None else stack_addresses(raw)
         if addrs is None:
             # Evicted from the probe's LRU map before it could be read (a
             # flood of new stacks): the block keeps its time, marked.

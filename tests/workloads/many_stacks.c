@@ -2,9 +2,11 @@
  * calls, each to one of two functions (offtop_ms_aN or offtop_ms_bN) picked
  * by one bit of a counter, so counter values 0..N-1 give N distinct stacks.
  *
- *   many_stacks N THREADS   THREADS threads split 0..N-1 between them and
- *                           sleep 1 us at the end of each chain, round after
- *                           round; prints "ready pid=P tid=T".
+ *   many_stacks N THREADS [SLEEP_NS]
+ *                           THREADS threads split 0..N-1 between them and
+ *                           sleep SLEEP_NS (default 1000: 1 us) at the end of
+ *                           each chain, round after round; prints
+ *                           "ready pid=P tid=T".
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -15,6 +17,7 @@
 #include <unistd.h>
 
 #define LEVELS 15
+static long sleep_ns = 1000;
 typedef void (*step_fn)(unsigned, int);
 static void step(unsigned bits, int level);
 
@@ -38,7 +41,7 @@ static step_fn table_b[LEVELS] = {
 __attribute__((noinline)) static void step(unsigned bits, int level)
 {
     if (level == LEVELS) {
-        struct timespec ts = {0, 1000};
+        struct timespec ts = {sleep_ns / 1000000000, sleep_ns % 1000000000};
         nanosleep(&ts, NULL);
         return;
     }
@@ -62,6 +65,7 @@ int main(int argc, char **argv)
 {
     n = argc > 1 ? (unsigned)atoi(argv[1]) : 20000;
     nthreads = argc > 2 ? (unsigned)atoi(argv[2]) : 4;
+    sleep_ns = argc > 3 ? atol(argv[3]) : 1000;
     pthread_t t;
     for (unsigned k = 0; k < nthreads; k++)
         pthread_create(&t, NULL, worker, (void *)(long)k);
