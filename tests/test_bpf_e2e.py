@@ -181,7 +181,7 @@ def test_threshold_split_routes_without_double_counting(workloads: Any) -> None:
     # Every block is counted, or its loss is: exactly 20 unless block ends went unseen.
     assert 20 - lo_unseen <= lo_count <= 20 and 20 - hi_unseen <= hi_count <= 20, detail
     assert lo_events == lo_count and len(lo_blocks) == lo_count  # every block an event
-    assert all(b["user"][0] == "offtop_wl_sleep" for b in lo_blocks)
+    assert all(b["user"][0] == "offtop_wl_sleep" for b in lo_blocks), [b["user"] for b in lo_blocks]
     assert hi_events == 0 and not hi_blocks  # every block was summed in the kernel
     assert lo_total >= lo_count * 100 * MS
     lo_mean, hi_mean = lo_total / lo_count, hi_total / hi_count  # no block counted twice

@@ -213,9 +213,12 @@ def test_stack_map_saturation_is_counted_and_recovers(bpf_available: None, workl
     """A 64-slot user-stack map against 4096 distinct stacks; then only one stack.
 
     The map is an LRU (offcpu.c): a new stack always gets in and the least
-    recently used goes; a stack gone before Python read it is marked lost and
-    counted, and its block keeps its time. Once the pressure is gone, a new
-    stack is stored and read whole, and nothing more is lost.
+    recently used goes. Each new stack is also sent whole through a ring, here
+    of one page a CPU, which these stacks overflow: a stack neither read from
+    the ring nor still in the map is marked lost and counted, and its block
+    keeps its time. Once the pressure is gone, a new stack is stored and read
+    whole, and nothing more is lost. (With a ring that keeps up, nothing is
+    lost at all: tests/test_truth_e2e.py.)
     """
     pressure = workloads("stacks", "4096")
     # The process that will need a fresh stack id once the pressure is gone:
@@ -224,8 +227,8 @@ def test_stack_map_saturation_is_counted_and_recovers(bpf_available: None, workl
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              start_new_session=True)
     try:
-        with engine(ustack_entries=64, threshold_ns=10**9, kernel_stacks=False,
-                    pids=(pressure.pid, later.pid)) as src:
+        with engine(ustack_entries=64, new_stack_pages=1, threshold_ns=10**9,
+                    kernel_stacks=False, pids=(pressure.pid, later.pid)) as src:
             hot = snapshots(src, 4)
             lost = hot[-1].stats.user_stacks_lost
             assert lost > 100, (lost, hot[-1].stats.stack_errors)
