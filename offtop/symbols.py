@@ -377,6 +377,9 @@ class _Proc:
     starts: list[int]
     maps_read_at: float
     files: list[Mapping] | None = None  # the file mappings of `maps`, made at first ask
+    # Mapping start -> (when found, its file's symbols): the cache's answer
+    # without a stat of map_files for every new address (see _file_frame).
+    tables: dict[int, tuple[float, ElfSymbols]] = field(default_factory=dict)
     frames: dict[int, Frame] = field(default_factory=dict)
     dead_since: float | None = None
     perf_map: PerfMap | None = None
@@ -551,6 +554,7 @@ class UserSymbols:
             p.starts = [m.start for m in p.maps]
             p.maps_read_at = now
             p.files = None
+            p.tables.clear()
             i = bisect.bisect_right(p.starts, addr) - 1
             if i >= 0 and addr < p.maps[i].end:
                 return p.maps[i]
@@ -588,7 +592,20 @@ class UserSymbols:
                     deadline: float | None) -> tuple[Frame, bool]:
         # ElfCache answers a table or the cause there is none; None is taken
         # as "unreadable" too, from caches that keep no causes.
-        syms: ElfSymbols | str | None = self.elf.get(m.handle, deadline=deadline)
+        # A mapping's file is looked up in the cache (a stat of its map_files
+        # link, a system call) once a REREAD_S per mapping, not once per new
+        # address (under process churn, hundreds a second, each also a point
+        # where the TUI's thread takes the GIL); a file rewritten in place
+        # meanwhile is read again after that.
+        now = self._clock()
+        known = p.tables.get(m.start)
+        syms: ElfSymbols | str | None
+        if known is not None and now - known[0] < REREAD_S:
+            syms = known[1]
+        else:
+            syms = self.elf.get(m.handle, deadline=deadline)
+            if isinstance(syms, ElfSymbols):
+                p.tables[m.start] = (now, syms)
         if (syms is None or isinstance(syms, str)) and p.dead_since is not None \
                 and not m.path.endswith(" (deleted)"):
             syms = self.elf.get(m.path, deadline=deadline)  # map_files are gone with the process
