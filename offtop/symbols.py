@@ -414,7 +414,7 @@ class UserSymbols:
         self._errors: Counter[str] = Counter()
         self._read_maps = maps or (lambda pid: read_maps(pid, proc, errors=self._errors))
         self._proc_root = proc
-        self.elf = elf_cache or ElfCache(clock=clock)
+        self.elf = elf_cache if elf_cache is not None else ElfCache(clock=clock)
         self.misses = 0
 
     @property

@@ -24,6 +24,7 @@ from offtop.elf import TIME_BUDGET, ElfCache, load_elf
 from offtop.model import MARK_TRUNCATED, Frame
 from offtop.symbols import (
     NO_SYMBOL,
+    REREAD_S,
     UNTRUSTED,
     KernelSymbols,
     Mapping,
@@ -506,3 +507,30 @@ def test_equal_frames_of_processes_of_one_program_are_one_object(tmp_path: Path)
     three = u.resolve_stack(1, [0x10020, 0x10030, 0x10040])
     assert [f.name for f in three] == ["app+0x3020", "app+0x3030", "app+0x3040"]
     assert u.resolve_stack(2, [0x50010]) == one[:1]
+
+
+class CountingElfCache(ElfCache):
+    """A real ElfCache that counts the lookups it is asked (a stat of the file each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    def get(self, path: str, *, deadline: float | None = None) -> Any:
+        self.asked += 1
+        return super().get(path, deadline=deadline)
+
+
+def test_a_mappings_symbols_are_looked_up_once_a_reread_period() -> None:
+    # Every new address used to stat the mapping's map_files link to find its
+    # file in the cache; the table found is kept per mapping for REREAD_S.
+    now = [100.0]
+    cache = CountingElfCache()
+    u = UserSymbols(elf_cache=cache, clock=lambda: now[0])
+    getpid, getppid = _addr(LIBC.getpid), _addr(LIBC.getppid)
+    assert u.resolve_stack(os.getpid(), [getpid + 1])[0].name in ("getpid", "__getpid")
+    assert u.resolve_stack(os.getpid(), [getppid + 1])[0].name in ("getppid", "__getppid")
+    assert cache.asked == 1
+    now[0] += REREAD_S
+    u.resolve_stack(os.getpid(), [getppid + 2])
+    assert cache.asked == 2
