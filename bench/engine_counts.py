@@ -55,6 +55,7 @@ STEPS: list[tuple[type, str]] = [
     (block_frames.BlockFrames, "blocked_now"),
     (stack_store.StackStore, "user"), (stack_store.StackStore, "kernel"),
     (stack_store.StackStore, "trim"), (stack_store.StackStore, "_free_user_ids"),
+    (engine.BpfSource, "_read_new_stacks"), (stack_store.StackStore, "offer_user"),
     (probe.Probe, "stack"), (probe.Probe, "drain_aggregates"), (probe.Probe, "stack_ids"),
     (user_stacks.UserStackRepair, "repair"), (UserSymbols, "resolve_stack"),
     (Aggregator, "build_raw"),
@@ -118,6 +119,15 @@ def main() -> int:
     counts = Counts()
     for cls, name in STEPS:
         counts.wrap(cls, name)
+    offered = [0]  # new user stacks that came through the probe's ring
+    decode_new = engine.new_user_stacks
+
+    def counted_new(records: list[bytes]) -> list[tuple[int, bytes]]:
+        out = decode_new(records)
+        offered[0] += len(out)
+        return out
+
+    engine.new_user_stacks = counted_new
     try:
         time.sleep(3)
         src = engine.BpfSource(engine.EngineConfig())
@@ -125,11 +135,14 @@ def main() -> int:
         pacing = GcPacing()
         run_intervals(src, args.warmup, pacing)
         counts.clear()
+        offered[0] = 0
+        ring_lost0 = src.stack_ring_lost
         rows: list[int] = []
         cpu0, wall0 = time.process_time(), time.monotonic()
         run_intervals(src, args.seconds, pacing, lambda snap: rows.append(snap.stats.agg_entries))
         cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
         stats = src.frames.stacks.stats if src.frames.stacks else None
+        ring_lost = src.stack_ring_lost - ring_lost0
         src.close()
     finally:
         load.terminate()
@@ -139,6 +152,7 @@ def main() -> int:
           f"{len(rows)} snapshots, rows per snapshot {min(rows)}-{max(rows)}")
     if stats is not None:
         print(f"  user stacks lost {stats.user_lost}, freed {stats.user_freed}")
+    print(f"  new user stacks through the ring {offered[0] / wall:.0f}/s, records lost there {ring_lost}")
     print(f"  {'step (inclusive)':34s} {'CPU ms/s':>9s} {'calls/s':>9s} {'µs/call':>9s}")
     for label, t in counts.cpu.most_common():
         n = counts.calls[label]

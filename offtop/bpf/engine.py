@@ -210,6 +210,11 @@ class BpfSource:
                           stacks=self.config.stack_mode)
 
     @property
+    def stack_ring_lost(self) -> int:
+        """Records of new user stacks the ring had no room for (read from the map instead)."""
+        return self._stack_ring.lost if self._stack_ring is not None else 0
+
+    @property
     def threshold_ns(self) -> int:
         return self._user_threshold_ns
 
@@ -468,6 +473,10 @@ class BpfSource:
             # resolve is over, the rest of the sub-tick's new rows take only
             # what is kept (`_stopping_row`).
             stopping = not event and self.frames.gave_up()
+            if lo:
+                # Resolving a flood of new rows takes long: the ring of new
+                # stacks is read meanwhile too, or it overflows.
+                self._read_new_stacks()
             hi = lo + _STOP_CHECK_ROWS
             for i, key, (total, mx, count, comm, wus, wks) in zip(
                     range(lo, hi), keys[lo:hi], sums[lo:hi], strict=False):
