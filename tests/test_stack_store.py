@@ -8,6 +8,7 @@ Python's; tests/test_bpf_e2e.py runs the real probe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from offtop.bpf.stack_store import StackStore
@@ -111,6 +112,24 @@ class FakeUserSymbols:
         return tuple(Frame(f"u{a:x}") for a in addrs)
 
 
+def user_store(maps: FakeStackMaps, start_time: Callable[[int], int | None]) -> StackStore:
+    """A store of user stacks only, processes' start times read by `start_time`."""
+    return StackStore(maps, kernel_symbols=None, user_symbols=FakeUserSymbols(),  # type: ignore[arg-type]
+                      capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64,
+                      start_time=start_time)
+
+
+def sharing_one_id(user_ids: range) -> tuple[FakeStackMaps, dict[int, int], StackStore]:
+    """Processes 100 (ids 0 and 1) and 200 (ids 1 and 2) alive, read in interval 1."""
+    maps = FakeStackMaps(range(0), user_ids)
+    alive = {100: 7, 200: 9}
+    s = user_store(maps, alive.get)
+    s.next_interval(1)
+    for pid, start, sid in ((100, 7, 0), (100, 7, 1), (200, 9, 1), (200, 9, 2)):
+        assert s.user(pid, start, sid)
+    return maps, alive, s
+
+
 def test_user_ids_of_processes_gone_are_deleted_at_once_unless_used_lately() -> None:
     """Under process churn the LRU map filled with dead processes' stacks and
     then evicted fresh ones before they were read: the ids of processes gone
@@ -118,14 +137,7 @@ def test_user_ids_of_processes_gone_are_deleted_at_once_unless_used_lately() -> 
     this interval or the one before waits for the next sweep (a row summed
     just before a process ended is still read); the others go at the sweep
     that finds their process gone, before the map's LRU evicts them itself."""
-    maps = FakeStackMaps(range(0), range(5))
-    alive = {100: 7, 200: 9}
-    s = StackStore(maps, kernel_symbols=None, user_symbols=FakeUserSymbols(),  # type: ignore[arg-type]
-                   capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64,
-                   start_time=alive.get)
-    s.next_interval(1)
-    for pid, start, sid in ((100, 7, 0), (100, 7, 1), (200, 9, 1), (200, 9, 2)):
-        assert s.user(pid, start, sid)
+    maps, alive, s = sharing_one_id(range(5))
     s.next_interval(4)
     assert s.user(100, 7, 3)  # used in the interval before the sweep
     del alive[100]
@@ -148,8 +160,7 @@ def test_a_sweep_reads_start_times_through_the_reader_it_is_given() -> None:
         raise AssertionError("the store's own reader was asked")
 
     maps = FakeStackMaps(range(0), range(4))
-    s = StackStore(maps, kernel_symbols=None, user_symbols=FakeUserSymbols(),  # type: ignore[arg-type]
-                   capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64, start_time=own)
+    s = user_store(maps, own)
     s.next_interval(1)
     assert s.user(100, 7, 0)
     asked: list[int] = []
@@ -165,9 +176,7 @@ def test_a_sweep_deletes_only_the_ids_the_map_still_holds() -> None:
     others are forgotten all the same)."""
     maps = FakeStackMaps(range(0), range(6))
     alive = {100: 7}
-    s = StackStore(maps, kernel_symbols=None, user_symbols=FakeUserSymbols(),  # type: ignore[arg-type]
-                   capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64,
-                   start_time=alive.get)
+    s = user_store(maps, alive.get)
     s.PRESENT_CHECK = 3
     s.next_interval(1)
     for sid in range(6):
@@ -186,14 +195,7 @@ def test_an_id_processes_share_is_deleted_once_the_last_of_them_is_gone() -> Non
     """Frames are cached per process, and an id two processes hold (one binary
     mapped at one address, e.g. not position-independent) outlives the first to
     go: the map keeps it until no process alive holds it."""
-    maps = FakeStackMaps(range(0), range(3))
-    alive = {100: 7, 200: 9}
-    s = StackStore(maps, kernel_symbols=None, user_symbols=FakeUserSymbols(),  # type: ignore[arg-type]
-                   capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64,
-                   start_time=alive.get)
-    s.next_interval(1)
-    for pid, start, sid in ((100, 7, 0), (100, 7, 1), (200, 9, 1), (200, 9, 2)):
-        assert s.user(pid, start, sid)
+    maps, alive, s = sharing_one_id(range(3))
     assert s.cached == 4
     del alive[100]
     s.next_interval(5)
@@ -212,9 +214,7 @@ def test_stacks_the_probe_sent_whole_are_read_once_without_the_map() -> None:
     them meanwhile); an id already cached is not kept again, an id not offered
     is read from the map, and the unread ones are bounded."""
     maps = FakeStackMaps(range(0), range(3))
-    s = StackStore(maps, kernel_symbols=None, user_symbols=FakeUserSymbols(),  # type: ignore[arg-type]
-                   capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64,
-                   start_time={100: 7}.get)
+    s = user_store(maps, {100: 7}.get)
     s.next_interval(1)
     assert s.user(100, 7, 0) == (Frame("u401000"),)  # from the map
     packed = (0x401007).to_bytes(8, "little") + (0x401008).to_bytes(8, "little")
