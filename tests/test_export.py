@@ -824,12 +824,15 @@ def test_cli_pprof_covers_the_whole_run(go_pprof: Any, workloads: Any, tmp_path:
     # overestimated: all the time awake, measured over a longer span, is spread
     # over the blocks recorded. At most the first block counts time from before
     # the start, so no more than the time covered and one block is recorded.
+    # A block whose end the kernel ran without the probe seeing it (on this VM a
+    # switch now and then) is lost, and offtop counts it: allowed as counted.
     awake = _awake_ns(w.pid, w.tid) - awake_before
     expected, blocks, covered = _recorded_ns(rec, w.tid, "offtop_wl_sleep")
     assert blocks > 0
     cycle = (expected + awake) / blocks
-    why = (expected, blocks, covered, awake)
-    assert blocks >= int(covered * 1e9 // cycle) - 1, why
+    unseen = _unseen_ends(rec)
+    why = (expected, blocks, covered, awake, unseen)
+    assert blocks + unseen >= int(covered * 1e9 // cycle) - 1, why
     assert expected <= covered * 1e9 + expected / blocks, why
     if stop == "SIGINT":
         from offtop.recording import load_recording
@@ -838,6 +841,14 @@ def test_cli_pprof_covers_the_whole_run(go_pprof: Any, workloads: Any, tmp_path:
     top = top_ns(go_pprof(out, "-top", "-unit=ns", f"-tagfocus=tid=^{w.tid}$"))
     assert top["offtop_wl_sleep"][1] == expected
     assert top["sleep_thread"][1] == expected
+
+
+def _unseen_ends(path: Path) -> int:
+    """Block ends the probe did not see, as the recording's last interval counts them
+    (since the start)."""
+    from offtop.recording import load_recording
+
+    return load_recording(path).timeline[-1].stats.drops.get("block ends unseen", 0)
 
 
 def _intervals(path: Path, load: Any) -> int:
