@@ -125,6 +125,6 @@ def test_new_user_stack_records_give_the_id_and_the_whole_frames_only() -> None:
                struct.pack("<Q", 5) + b"\0" * 4]  # no frames: skipped
     [(sid, packed)] = decode.new_user_stacks(records)
     assert sid == 0x7ABCDEF1 and packed == frames
-    assert decode.stack_addresses(packed) == (0x401000, 0x401100 | (1 << 63), 0x7F0000001234)
+    assert decode.record_addresses(packed) == (0x401000, 0x401100 | (1 << 63), 0x7F0000001234)
     # A map's value: read up to its first 0.
-    assert decode.stack_addresses(frames + bytes(16)) == decode.stack_addresses(packed)
+    assert decode.stack_addresses(frames + bytes(16)) == decode.record_addresses(packed)

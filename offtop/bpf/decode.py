@@ -123,11 +123,18 @@ def stack_addresses(raw: bytes) -> tuple[int, ...]:
         return ips
 
 
+def record_addresses(raw: bytes) -> tuple[int, ...]:
+    """The addresses of a stack as `new_user_stacks` gives it: its frames only, no
+    terminating 0 to look for (`stack_addresses` would scan the whole stack for one
+    and raise at its end, ~0.6 µs more a stack)."""
+    return struct.unpack(f"<{len(raw) // 8}Q", raw)
+
+
 def new_user_stacks(records: list[bytes]) -> list[tuple[int, bytes]]:
     """(id, packed frames) of each record the probe sent through `new_user_stacks`
     (offcpu.c): the id in a u64, then the frames, a u64 each; the kernel pads a
     record to 8 bytes with its 4-byte size, so the frames are the whole u64s
-    after the id. The frames stay packed until read (`stack_addresses`)."""
+    after the id. The frames stay packed until read (`record_addresses`)."""
     out = []
     for rec in records:
         n = (len(rec) - 8) // 8

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from offtop.bpf.decode import stack_addresses
+from offtop.bpf.decode import record_addresses
 from offtop.model import MARK_DEPTH_LIMIT, MARK_TRUNCATED, MARK_USER_STACK_LOST, Frame
 from offtop.symbols import KernelSymbols, UserSymbols
 from offtop.targets import task_start_time
@@ -224,7 +224,7 @@ class StackStore:
                 return frames
             del self._retry[key]
         raw = self._fresh.pop(sid, None)
-        addrs = self._maps.stack("u", sid) if raw is None else stack_addresses(raw)
+        addrs = self._maps.stack("u", sid) if raw is None else record_addresses(raw)
         if addrs is None:
             # Evicted from the probe's LRU map before it could be read (a
             # flood of new stacks): the block keeps its time, marked.
