@@ -108,7 +108,6 @@ class StackStore:
         # at once, without a walk over every stack cached.
         self._user: dict[tuple[int, int], dict[int, tuple[Frame, ...]]] = {}
         self._holders: dict[int, int] = {}  # user id -> processes caching frames for it
-        self._cached_user = 0
         self._retry: dict[tuple[int, int, int], int] = {}  # (pid, start, id) -> interval to look again
         self._dead_ids: set[int] = set()  # user ids of processes gone at the last sweep
         self._fresh: dict[int, bytes] = {}  # user id -> its frames, packed, as the probe sent them
@@ -121,7 +120,7 @@ class StackStore:
     @property
     def cached(self) -> int:
         """Stacks whose frames are cached."""
-        return len(self._kernel) + self._cached_user
+        return len(self._kernel) + sum(map(len, self._user.values()))
 
     @property
     def used(self) -> int:
@@ -262,7 +261,6 @@ class StackStore:
         cached = self._user.setdefault((pid, start), {})
         if sid not in cached:
             self._holders[sid] = self._holders.get(sid, 0) + 1
-            self._cached_user += 1
         cached[sid] = frames
 
     def _drop(self, pid: int, start: int, sid: int) -> None:
@@ -270,7 +268,6 @@ class StackStore:
         cached = self._user.get((pid, start))
         if cached is None or cached.pop(sid, None) is None:
             return
-        self._cached_user -= 1
         if not cached:
             del self._user[(pid, start)]
         self._release(sid)
@@ -345,7 +342,6 @@ class StackStore:
             self._kernel.clear()
             self._user.clear()
             self._holders.clear()
-            self._cached_user = 0
             self._retry.clear()
 
     def _sweep_gone(self, start_time: Callable[[int], int | None]) -> None:
@@ -363,7 +359,6 @@ class StackStore:
         dead = set()
         for p in gone:
             cached = self._user.pop(p)
-            self._cached_user -= len(cached)
             dead.update([sid for sid in cached if self._release(sid)])
         used = self._last_use["u"]
         recent = self._seq - 1
