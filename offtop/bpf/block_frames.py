@@ -53,6 +53,7 @@ class BlockFrames:
         # pid -> the start time it had when last seen alive: a process that
         # exited within the sub-tick is still itself (its stacks stay cached).
         self._last_starts: dict[int, int] = {}
+        self._warmed: set[int] = set()  # blocks from before the start symbolized whole
 
     def hurry(self, within_s: float) -> None:
         """A stop is coming: resolve for `within_s` more at most (callable from a signal
@@ -125,6 +126,26 @@ class BlockFrames:
                 break
             if b.pid:
                 self.unwound.unwind(b.pid, tid, b.ts, 0, until)
+
+    def warm_before_start(self, deadline: float) -> bool:
+        """Symbolize the blocks from before the start until `deadline`, ahead of the
+        first snapshot; True once all are done.
+
+        A big library's symbol table (libc's: ~45 ms on a quiet machine) is
+        loaded a time budget at a time: on a busy machine one snapshot's budget
+        did not load it, and the first blocked-now list showed `libc.so.6+0x…`.
+        The first interval is idle time, spent here instead.
+        """
+        for tid, b in self.before.blocks():
+            if tid in self._warmed:
+                continue
+            if self._clock() >= deadline:
+                return False
+            self.unwound_frames(tid, b.ts, deadline)
+            if self._clock() >= deadline:  # may have been cut short
+                return False
+            self._warmed.add(tid)
+        return True
 
     def unwound_frames(self, tid: int, ts: int, deadline: float | None,
                        *, pop: bool = False) -> tuple[Frame, ...] | None:

@@ -162,6 +162,8 @@ class BpfSource:
         self.frames = BlockFrames(self.before, clock=clock)
         # Within the sub-tick's symbol budget, as every stack resolved then.
         self._deadline: float | None = None
+        #: The blocks from before the start are symbolized (or the first snapshot is out).
+        self._warm = False
         self._wakers = Wakers(self.frames.kernel,
                               lambda pid, sid: self.frames.user(pid, sid, self._deadline))
         self._rows = RowFrames(self.frames, self._wakers)
@@ -305,7 +307,11 @@ class BpfSource:
                 now = self._clock()
                 if now >= end:
                     break
-            self._ring.wait(min(0.05, end - now, max(0.0, self._next_subtick - now)))
+            if not self._warm:  # the first interval's idle time
+                self._warm = self.frames.warm_before_start(
+                    min(end, now + self.config.symbol_budget_s))
+                now = self._clock()
+            self._ring.wait(max(0.0, min(0.05, end - now, self._next_subtick - now)))
             self._read_ring()
         if stop.is_set():
             return None
@@ -313,6 +319,7 @@ class BpfSource:
         # The next interval runs its full length from here, after the resolving
         # (on a loaded machine each keeps its sub-ticks' time to resolve).
         self._interval_base = self._clock()
+        self._warm = True
         # Its length: from cut to cut, the time the sums cover.
         elapsed = max(1e-9, self._cut_at - self._last_tick)
         self._last_tick = self._cut_at

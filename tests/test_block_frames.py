@@ -1,0 +1,77 @@
+"""Blocks from before the start symbolized in the first interval's idle time
+(offtop.bpf.block_frames.BlockFrames.warm_before_start).
+
+The clock, the blocks and the unwound stacks are fakes (named so): the rule under
+test is Python's; tests/test_truth_e2e.py runs it on Debian's sleep, beside the
+real probe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offtop.bpf.before_start import Before
+from offtop.bpf.block_frames import BlockFrames
+from offtop.model import Frame
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeBeforeStart:
+    def __init__(self, tids: list[int]) -> None:
+        self._blocks = {tid: Before(ts=tid * 10, kernel=(), pid=tid) for tid in tids}
+
+    def blocks(self) -> list[tuple[int, Before]]:
+        return list(self._blocks.items())
+
+
+class FakeUnwound:
+    """Each block's symbols take `cost` seconds of the fake clock to load, once."""
+
+    def __init__(self, clock: FakeClock, cost: float) -> None:
+        self.clock, self.cost = clock, cost
+        self.calls: list[int] = []
+        self.loaded: set[int] = set()
+
+    def frames(self, tid: int, ts: int, deadline: float | None, *,
+               pop: bool = False) -> tuple[Frame, ...]:
+        assert not pop  # warming leaves the block for the snapshot
+        self.calls.append(tid)
+        if tid not in self.loaded:
+            self.clock.now += self.cost
+            if deadline is None or self.clock.now < deadline:
+                self.loaded.add(tid)
+        return (Frame(f"f{tid}"),)
+
+
+def warmed_rig(tids: list[int], cost: float) -> Any:
+    clock = FakeClock()
+    frames = BlockFrames(FakeBeforeStart(tids), clock=clock)  # type: ignore[arg-type]
+    unwound = FakeUnwound(clock, cost)
+    frames.unwound = unwound  # type: ignore[assignment]
+    return frames, unwound, clock
+
+
+def test_warming_stops_at_the_deadline_and_goes_on_where_it_stopped() -> None:
+    frames, unwound, clock = warmed_rig([1, 2, 3], cost=0.03)
+    assert not frames.warm_before_start(clock.now + 0.05)  # 1 loaded, 2 cut short
+    assert unwound.calls == [1, 2] and unwound.loaded == {1}
+    assert not frames.warm_before_start(clock.now + 0.05)  # 2 again, 3 cut short
+    assert unwound.calls == [1, 2, 2, 3] and unwound.loaded == {1, 2}
+    assert frames.warm_before_start(clock.now + 0.05)  # 3 done: all are
+    assert unwound.loaded == {1, 2, 3}
+    calls = len(unwound.calls)
+    assert frames.warm_before_start(clock.now + 0.05)
+    assert len(unwound.calls) == calls  # nothing done twice
+
+
+def test_warming_past_its_deadline_does_nothing() -> None:
+    frames, unwound, clock = warmed_rig([1], cost=0.01)
+    assert not frames.warm_before_start(clock.now)
+    assert unwound.calls == []
