@@ -36,10 +36,13 @@ MARK_TRUNCATED = "[stack truncated]"
 MARK_DEPTH_LIMIT = "[depth limit]"
 """The stack was cut at the capture's depth limit."""
 MARK_USER_STACK_LOST = "[user stack lost]"
+"""The user stack of this block could not be captured or stored."""
 #: The stacks of a block that ended while offtop was stopping (not resolved: a
 #: signal must end offtop at once, whatever is left to symbolize).
 MARK_NOT_RESOLVED = "[not resolved: offtop was stopping]"
-"""The user stack of this block could not be captured or stored."""
+#: The stacks of blocks summed while offtop was behind: new stacks came faster
+#: than it resolved them (CaptureStats.behind_rows).
+MARK_BEHIND = "[not resolved: offtop behind]"
 
 _HEX_DIGITS = frozenset("0123456789abcdef")
 
@@ -323,6 +326,10 @@ class CaptureStats:
     #: Stacks cut at the capture's depth limit; user stacks lost (not stored).
     depth_limited_stacks: int = 0
     user_stacks_lost: int = 0
+    #: New summed rows whose stacks were not resolved because offtop was behind
+    #: (new stacks came faster than it resolved them): each summed per thread
+    #: and state, marked `[not resolved]`.
+    behind_rows: int = 0
     #: Symbolization errors by cause (a hostile or odd file), cumulative.
     symbol_errors: Mapping[str, int] = field(default_factory=dict)
     #: Python stacks that could not be read, by cause (cumulative).

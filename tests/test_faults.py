@@ -24,7 +24,15 @@ from typing import Any
 
 import pytest
 
-from offtop.model import MARK_NOT_RESOLVED, MARK_TRUNCATED, Aggregator, Sample, Snapshot
+from offtop.model import (
+    MARK_BEHIND,
+    MARK_NOT_RESOLVED,
+    MARK_TRUNCATED,
+    Aggregator,
+    Frame,
+    Sample,
+    Snapshot,
+)
 from offtop.symbols import Mapping, UserSymbols
 from tests.conftest import ROOT, offtop_json, process_ended, task_of, wait_until
 
@@ -1015,6 +1023,31 @@ def test_a_hurried_engine_counts_everything_and_resolves_nothing_new(
             "still recording after a stop"
     finally:
         src.close()
+
+
+@pytest.mark.bpf
+def test_an_engine_behind_sums_new_rows_per_thread_marked_and_loses_no_time(
+        bpf_available: None, workloads: Any) -> None:
+    """A sub-tick resolves new rows only until the next is due; the rest are summed per
+    thread and state, marked, counted in `behind_rows`, and tried again at their next
+    drain. A sub-tick of 1 µs here makes every new row come too late: each is behind,
+    deterministically, whatever the machine's speed."""
+    from offtop.bpf.engine import BpfSource, EngineConfig
+
+    w = workloads("sleep", "20")
+    src = BpfSource(EngineConfig(threshold_ns=10**9, subtick_s=1e-6, pids=(w.pid,)))
+    src.start()
+    try:
+        snap = src.next_snapshot(0.5, threading.Event())
+    finally:
+        src.close()
+    assert snap is not None
+    mine = [st for st in snap.stacks if st.tid == w.tid]
+    assert sum(st.count for st in mine) >= 10, mine
+    assert all(st.user == (Frame(MARK_BEHIND),) and not st.kernel for st in mine), mine
+    assert snap.stats.behind_rows >= 1
+    task = next(t for t in snap.tasks if t.tid == w.tid)
+    assert sum(st.offcpu_ns for st in mine) == task.offcpu_ns  # the time is all there
 
 
 @pytest.mark.bpf

@@ -63,7 +63,12 @@ def running(*argv: str, ready: bool = True) -> Iterator[tuple[subprocess.Popen[s
         proc.wait(timeout=5)
 
 
-def engine_snapshots(n: int, **cfg: Any) -> list[Snapshot]:
+def engine_snapshots(n: int, *, settle: int = 0, **cfg: Any) -> list[Snapshot]:
+    """`n` snapshots of a real engine; with `settle`, they come once it has caught up:
+    after at least `settle` snapshots, and after one with no rows it was too far
+    behind to resolve (new stacks arriving faster than it resolves them make it
+    shed work rather than stretch its intervals: how long it takes to catch up
+    depends on the machine's speed; 60 snapshots at most)."""
     from offtop.bpf.engine import BpfSource, EngineConfig
     from offtop.model import Aggregator
 
@@ -71,12 +76,18 @@ def engine_snapshots(n: int, **cfg: Any) -> list[Snapshot]:
     src.start()
     try:
         stop = threading.Event()
-        out = []
-        for _ in range(n):
+
+        def snapshot() -> Snapshot:
             snap = src.next_snapshot(1.0, stop)
             assert snap is not None
-            out.append(snap)
-        return out
+            return snap
+
+        for i in range(60 if settle else 0):
+            if snapshot().stats.behind_rows == 0 and i + 1 >= settle:
+                break
+        else:
+            assert not settle, "the engine never caught up"
+        return [snapshot() for _ in range(n)]
     finally:
         src.close()
 
@@ -265,10 +276,10 @@ def test_twenty_thousand_distinct_stacks_keep_their_user_stacks(tmp_path: Path) 
     binary = build(tmp_path, "many_stacks.c", "-O1", "-fno-omit-frame-pointer",
                    "-fno-optimize-sibling-calls")
     with running(str(binary), "20000", "4") as (proc, _):
-        snaps = engine_snapshots(7, pids=(proc.pid,), threshold_ns=10**9)
-    # After the probe has learned the rules (each distinct stack is briefly
-    # stored in several versions meanwhile), a steady state.
-    steady = snaps[4:]
+        # After the probe has learned the rules (each distinct stack is briefly
+        # stored in several versions meanwhile) and offtop has resolved them,
+        # a steady state.
+        steady = engine_snapshots(3, settle=4, pids=(proc.pid,), threshold_ns=10**9)
     blocks = sum(t.count for s in steady for t in s.tasks)
     without = sum(st.count for s in steady for st in s.stacks
                   if not st.user or st.user[0].name == MARK_USER_STACK_LOST)

@@ -28,12 +28,13 @@ from offtop.bpf.decode import ST_BEFORE_START, state_name
 from offtop.bpf.python_frames import BlockedThread, PythonFrames, merged_frames
 from offtop.bpf.stack_store import StackStore
 from offtop.bpf.unwound import UnwoundStacks
-from offtop.model import MARK_NOT_RESOLVED, BlockedNow, Frame
+from offtop.model import MARK_BEHIND, MARK_NOT_RESOLVED, BlockedNow, Frame
 from offtop.safe_files import read_proc_small
 from offtop.safe_text import decode
 from offtop.targets import task_start_time
 
 NOT_RESOLVED = Frame(MARK_NOT_RESOLVED)
+BEHIND = Frame(MARK_BEHIND)
 
 
 class BlockFrames:

@@ -34,16 +34,18 @@ class SelfCost:
     """offtop's own CPU time and resident memory, per interval."""
 
     def __init__(self) -> None:
-        self._cpu = self._cpu_s()
+        self._cpu = self.cpu_s()
 
     @staticmethod
-    def _cpu_s() -> float:
+    def cpu_s() -> float:
+        """The CPU time offtop has used (user and system, all threads), in seconds."""
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
 
-    def interval(self, elapsed: float) -> tuple[float, int]:
-        """(% of one core since the last call, RSS bytes now)."""
-        cpu = self._cpu_s()
+    def interval(self, elapsed: float, cpu: float | None = None) -> tuple[float, int]:
+        """(% of one core since the last call, RSS bytes now). `cpu`: `cpu_s()` as read
+        at the end of the `elapsed` seconds, if that was before now."""
+        cpu = self.cpu_s() if cpu is None else cpu
         pct = 100.0 * (cpu - self._cpu) / elapsed if elapsed > 0 else 0.0
         self._cpu = cpu
         try:

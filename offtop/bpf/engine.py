@@ -26,7 +26,7 @@ from typing import Any
 
 from offtop.bpf import environment
 from offtop.bpf.before_start import BeforeStart, cgroup_relative
-from offtop.bpf.block_frames import NOT_RESOLVED, BlockFrames
+from offtop.bpf.block_frames import BEHIND, NOT_RESOLVED, BlockFrames
 from offtop.bpf.blocked import BlockedNowReader
 from offtop.bpf.budget import SelfCost
 from offtop.bpf.compiler_memory import release_compiler_memory, trim_heap
@@ -71,9 +71,11 @@ __all__ = ["BpfSource", "EngineConfig", "EngineError"]
 #: The probe's perf event array of new user stacks (offcpu.c).
 NEW_USER_STACKS = "new_user_stacks"
 
-#: The stack ids of a row summed per thread and state once a stop came: no id the
-#: probe hands out (those are s32; -1 with -1 is a block from before the start).
+#: The stack ids of a row summed per thread and state once a stop came, or while
+#: offtop was behind: no id the probe hands out (those are s32; -1 with -1 is a
+#: block from before the start).
 UNRESOLVED_ID = -(1 << 40)
+BEHIND_ID = UNRESOLVED_ID - 1
 
 #: Rows summed between two looks at whether a stop's time to resolve is over
 #: (a flood of new stacks makes a row cost tens of microseconds).
@@ -125,6 +127,8 @@ class _Interval:
 
     long_blocks: deque[LongBlock] = field(default_factory=deque)
     events: int = 0
+    #: New summed rows not resolved because offtop was behind (`BpfSource._sum_rows`).
+    behind_rows: int = 0
     notices: list[str] = field(default_factory=list)
 
 
@@ -173,6 +177,12 @@ class BpfSource:
         self._blocked: BlockedNowReader | None = None
         self._stats = ProbeStats()
         self._self_cost = SelfCost()
+        # The probe's counters and offtop's CPU time as the last sub-tick cut the
+        # sums: the costs are per interval as the sums are, from cut to cut
+        # (read at the snapshot instead, a sub-tick that resolved for long
+        # charged its time to the interval before, up to 345% of a core).
+        self._cut_counters: dict[str, int] = {}
+        self._cut_cpu = 0.0
         self._lock = threading.Lock()  # the threshold, set from the UI thread
         self._raw_events: list[tuple[Any, ...]] = []
         self._event_acc: dict[_RawKey, list[Any]] = {}
@@ -187,7 +197,7 @@ class BpfSource:
         # once, at the snapshot: the work grows with the keys that were active,
         # not with how often each was drained.
         # Keyed by offcpu.c's struct agg_key as bytes (`Drained.keys`; a long
-        # block's with a byte more), or (tgid, tid, state, UNRESOLVED_ID).
+        # block's with a byte more), or (tgid, tid, state, UNRESOLVED_ID or BEHIND_ID).
         self._known: dict[bytes | tuple[int, ...], _Row] = {}
         self._known_generation = 0
         #: Rows carried into an interval without being resolved again (cumulative).
@@ -423,6 +433,8 @@ class BpfSource:
         # (or, once a stop came, the moment the probe stopped recording).
         self._cut_at = min(self._clock(), self.probe.stopped_at)
         drained = self.probe.drain_aggregates()
+        self._cut_counters = self.probe.counters()
+        self._cut_cpu = SelfCost.cpu_s()
         self._read_new_stacks()  # after the rows: their stacks were sent before them
         self._control_flood(now)
         self._check_targets()
@@ -477,9 +489,15 @@ class BpfSource:
         accepts = self.targets.accepts
         for lo in range(0, len(keys), _STOP_CHECK_ROWS):
             # Asked once a chunk, not per row: once a stop came and its time to
-            # resolve is over, the rest of the sub-tick's new rows take only
-            # what is kept (`_stopping_row`).
+            # resolve is over, or once the next sub-tick is due (offtop is
+            # behind: new stacks come faster than it resolves them), the rest
+            # of the sub-tick's new rows take only what is kept
+            # (`_unresolved_row`). So the work of a sub-tick is bounded, and a
+            # flood of new stacks neither stretches the intervals nor grows the
+            # rows without end; a key left unresolved is tried again at its
+            # next drain. Long blocks' rows are always resolved.
             stopping = not event and self.frames.gave_up()
+            behind = not event and not stopping and self._clock() >= self._next_subtick
             if lo:
                 # Resolving a flood of new rows takes long: the ring of new
                 # stacks is read meanwhile too, or it overflows.
@@ -505,31 +523,35 @@ class BpfSource:
                 r = row_of(i)
                 if not (event or accepts(r[0], r[1])):
                     continue
-                if stopping:
-                    self._stopping_row(key, r, seq)
+                if stopping or behind:
+                    if self._unresolved_row(key, r, seq, stopping) and behind:
+                        self._interval.behind_rows += 1
                 else:
                     rows[key] = self._row(r, event, seq, self._rows.resolve(*r[:5], r[9],
                                                                             deadline))
 
-    def _stopping_row(self, key: bytes | tuple[int, ...], raw: RawRow, seq: int) -> None:
-        """A new summed row once a stop's time to resolve is over: with its frames if
-        they are kept (`RowFrames.kept`), else summed per thread and state, its
-        stacks not resolved, so that a flood of new stacks cannot hold up the exit."""
+    def _unresolved_row(self, key: bytes | tuple[int, ...], raw: RawRow, seq: int,
+                        stopping: bool) -> bool:
+        """A new summed row with no time to resolve it (a stop is coming, or offtop is
+        behind): with its frames if they are kept (`RowFrames.kept`), else summed per
+        thread and state, its stacks not resolved. True in the second case."""
         tgid, tid, st, us, ks, total, count, mx, comm, waker = raw
         kept = self._rows.kept(tgid, tid, st, us, ks, waker)
         if kept is not None:
             self._known[key] = self._row(raw, False, seq, kept)
-            return
-        key = (tgid, tid, st, UNRESOLVED_ID)
+            return False
+        sid, mark = (UNRESOLVED_ID, NOT_RESOLVED) if stopping else (BEHIND_ID, BEHIND)
+        key = (tgid, tid, st, sid)
         row = self._known.get(key)
         if row is not None and row.seq == seq:
             row.total += total
             row.count += count
             row.max_ns = max(row.max_ns, mx)
-            return
-        self._known[key] = _Row(total, count, mx, comm, (), (NOT_RESOLVED,),
+            return True
+        self._known[key] = _Row(total, count, mx, comm, (), (mark,),
                                 bool(st & ST_BEFORE_START), None, self.frames.start_of(tgid),
-                                tgid, tid, st, UNRESOLVED_ID, UNRESOLVED_ID, False, seq)
+                                tgid, tid, st, sid, sid, False, seq)
+        return True
 
     def _control_flood(self, now: float) -> None:
         seconds = now - self._last_subtick
@@ -631,7 +653,7 @@ class BpfSource:
         blocked, live = self.frames.blocked_now(
             self._blocked, self.targets.watching, symbol_budget_s=self.config.symbol_budget_s,
             unwind_budget_s=self.config.unwind_budget_s)
-        counters = self.probe.counters()
+        counters = self._cut_counters
         stack_errors, drops = _errors_by_cause(counters)
         probe_ns, probe_runs = self._stats.interval_result(counters)
         lost_total = self._ring.lost
@@ -646,7 +668,7 @@ class BpfSource:
         kept = rows.values()
         stacks.touch_all([r.kstack for r in kept] + [r.wks for r in kept],
                          [r.ustack for r in kept] + [r.wus for r in kept])
-        cpu_pct, rss = self._self_cost.interval(elapsed)
+        cpu_pct, rss = self._self_cost.interval(elapsed, self._cut_cpu)
         st = stacks.stats
         usyms = self._usyms
         stats = CaptureStats(
@@ -669,6 +691,7 @@ class BpfSource:
             symbol_deadline_misses=st.symbol_deadline_misses,
             depth_limited_stacks=st.depth_limited,
             user_stacks_lost=st.user_lost,
+            behind_rows=iv.behind_rows,
             symbol_errors=dict(getattr(usyms, "errors", {}) or {}),
             offtop_cpu_pct=cpu_pct,
             offtop_rss_bytes=rss,

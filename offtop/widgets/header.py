@@ -69,7 +69,8 @@ def problems_text(stats: CaptureStats) -> Text:
         _field(t, "stack ids failed", _causes(stats.stack_errors), WARN_STYLE)
     cut = [(n, what) for n, what in ((stats.truncated_stacks, "truncated"),
                                      (stats.depth_limited_stacks, "at the depth limit"),
-                                     (stats.user_stacks_lost, "user stacks lost")) if n]
+                                     (stats.user_stacks_lost, "user stacks lost"),
+                                     (stats.behind_rows, "not resolved, offtop behind")) if n]
     if cut:
         _field(t, "stacks", ", ".join(f"{n:,} {what}" for n, what in cut), WARN_STYLE)
     if stats.stacks_capacity and stats.stacks_used * 2 >= stats.stacks_capacity:
