@@ -940,3 +940,36 @@ def test_setup_compiles_what_a_start_with_no_options_loads(bpf_available: None,
     r = _probe(cache, comp, wakers=False)
     r.close()
     assert comp.calls == 1 and r.report.how == "compiled"
+
+
+class FakeProgLoad:
+    """syscalls.bpf for BPF_PROG_LOAD (a fake: the kernel is not asked): the answers
+    given in turn, the last one from then on."""
+
+    def __init__(self, *answers: int) -> None:
+        self.answers = list(answers)
+        self.calls = 0
+
+    def __call__(self, cmd: int, attr: Any) -> int:
+        self.calls += 1
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def test_a_load_the_verifier_stopped_on_a_signal_is_tried_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verifier gives up with EAGAIN when a signal is pending (a profiler
+    attaching): offtop's start failed on it. It is tried again, as libbpf does."""
+    from offtop.bpf import syscalls
+    from offtop.bpf.loader import kernel
+
+    fake = FakeProgLoad(-errno.EAGAIN, -errno.EAGAIN, -errno.EAGAIN, 42)
+    monkeypatch.setattr(syscalls, "bpf", fake)
+    assert kernel.load_program(1, "p", b"\0" * 16, "GPL", 0) == 42
+    assert fake.calls == 4
+
+    fake = FakeProgLoad(-errno.EAGAIN)  # for good: refused, the artifact not blamed
+    monkeypatch.setattr(syscalls, "bpf", fake)
+    with pytest.raises(kernel.LoadFailed) as e:
+        kernel.load_program(1, "p", b"\0" * 16, "GPL", 0)
+    assert not e.value.artifact_fault
+    assert fake.calls == 2 * kernel.PROG_LOAD_TRIES  # without a log, then with one

@@ -110,22 +110,37 @@ def load_program(prog_type: int, name: str, insns: bytes, license: str, kern_ver
                          license=ct.addressof(lic), kern_version=kern_version,
                          prog_name=prog_name(name), expected_attach_type=attach_type,
                          attach_btf_id=attach_btf_id)
-    fd = syscalls.bpf(syscalls.BPF_PROG_LOAD, attr)
+    fd = _prog_load(attr)
     if fd == -errno.EPERM:
         _raise_memlock()
-        fd = syscalls.bpf(syscalls.BPF_PROG_LOAD, attr)
+        fd = _prog_load(attr)
     if fd >= 0:
         return fd
     err = -fd
     # Loaded again, with a log: only a refused program pays for one.
     log = ct.create_string_buffer(LOG_BYTES)
     attr.log_level, attr.log_size, attr.log_buf = 1, LOG_BYTES, ct.addressof(log)
-    again = syscalls.bpf(syscalls.BPF_PROG_LOAD, attr)
+    again = _prog_load(attr)
     if again >= 0:  # it passed this time (a transient failure, e.g. ENOMEM): keep it
         return again
     text = log.value.decode(errors="replace")
     raise LoadFailed(f"Failed to load BPF program {name}: {os.strerror(err)}", text,
-                     artifact_fault=err not in (errno.EPERM, errno.ENOMEM))
+                     artifact_fault=err not in (errno.EPERM, errno.ENOMEM, errno.EAGAIN))
+
+
+#: Loads tried while the verifier gives up on a signal (EAGAIN), as libbpf does.
+PROG_LOAD_TRIES = 5
+
+
+def _prog_load(attr: _ProgLoadAttr) -> int:
+    """BPF_PROG_LOAD, again while it fails with EAGAIN: the verifier stops when a signal
+    is pending (a debugger or profiler attaching, a terminal resized), and offtop's
+    start failed on it ("Resource temporarily unavailable" under py-spy)."""
+    for _ in range(PROG_LOAD_TRIES - 1):
+        fd = syscalls.bpf(syscalls.BPF_PROG_LOAD, attr)
+        if fd != -errno.EAGAIN:
+            return fd
+    return syscalls.bpf(syscalls.BPF_PROG_LOAD, attr)
 
 
 def tracepoint_id(tracefs: Path, category: str, event: str) -> int:
