@@ -156,7 +156,7 @@ def process_ended(pid: int) -> bool:
     that goes between two looks at /proc counts as gone, not as an error."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or the read
         return True
     return stat[stat.rindex(b")") + 2:].split()[0] == b"Z"
 

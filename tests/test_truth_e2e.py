@@ -117,7 +117,7 @@ def _in_read(pid: int) -> bool:
     """`pid` is asleep in read(2) (x86-64 syscall 0)."""
     try:
         return Path(f"/proc/{pid}/syscall").read_text().split()[0] == "0"
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
 
 
