@@ -328,7 +328,7 @@ class CaptureStats:
     user_stacks_lost: int = 0
     #: New summed rows whose stacks were not resolved because offtop was behind
     #: (new stacks came faster than it resolved them): each summed per thread
-    #: and state, marked `[not resolved]`.
+    #: and state, marked `[not resolved: offtop behind]` (MARK_BEHIND).
     behind_rows: int = 0
     #: Symbolization errors by cause (a hostile or odd file), cumulative.
     symbol_errors: Mapping[str, int] = field(default_factory=dict)

@@ -42,10 +42,9 @@ class SelfCost:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
 
-    def interval(self, elapsed: float, cpu: float | None = None) -> tuple[float, int]:
+    def interval(self, elapsed: float, cpu: float) -> tuple[float, int]:
         """(% of one core since the last call, RSS bytes now). `cpu`: `cpu_s()` as read
-        at the end of the `elapsed` seconds, if that was before now."""
-        cpu = self.cpu_s() if cpu is None else cpu
+        at the end of the `elapsed` seconds."""
         pct = 100.0 * (cpu - self._cpu) / elapsed if elapsed > 0 else 0.0
         self._cpu = cpu
         try:

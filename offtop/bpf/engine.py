@@ -177,8 +177,8 @@ class BpfSource:
         self._blocked: BlockedNowReader | None = None
         self._stats = ProbeStats()
         self._self_cost = SelfCost()
-        # The probe's counters and offtop's CPU time as the last sub-tick cut the
-        # sums: the costs are per interval as the sums are, from cut to cut
+        # The probe's counters and offtop's CPU time as the interval's last
+        # sub-tick cut the sums: the costs are per interval as the sums are, from cut to cut
         # (read at the snapshot instead, a sub-tick that resolved for long
         # charged its time to the interval before, up to 345% of a core).
         self._cut_counters: dict[str, int] = {}
@@ -325,7 +325,7 @@ class BpfSource:
             self._read_ring()
         if stop.is_set():
             return None
-        self._subtick(self._clock())
+        self._subtick(self._clock(), last=True)
         # The next interval runs its full length from here, after the resolving
         # (on a loaded machine each keeps its sub-ticks' time to resolve).
         self._interval_base = self._clock()
@@ -422,8 +422,9 @@ class BpfSource:
         if records:
             stacks.offer_user(new_user_stacks(records))
 
-    def _subtick(self, now: float) -> None:
-        """Resolve what arrived since the last sub-tick, while processes live."""
+    def _subtick(self, now: float, *, last: bool = False) -> None:
+        """Resolve what arrived since the last sub-tick, while processes live. `last`:
+        the interval's last, whose cut its snapshot's costs are read at."""
         self._next_subtick = now + self.config.subtick_s
         deadline = self._deadline = now + self.config.symbol_budget_s
         self.frames.new_subtick()
@@ -433,8 +434,9 @@ class BpfSource:
         # (or, once a stop came, the moment the probe stopped recording).
         self._cut_at = min(self._clock(), self.probe.stopped_at)
         drained = self.probe.drain_aggregates()
-        self._cut_counters = self.probe.counters()
-        self._cut_cpu = SelfCost.cpu_s()
+        if last:
+            self._cut_counters = self.probe.counters()
+            self._cut_cpu = SelfCost.cpu_s()
         self._read_new_stacks()  # after the rows: their stacks were sent before them
         self._control_flood(now)
         self._check_targets()
