@@ -138,6 +138,15 @@ def run_offtop(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[s
     )
 
 
+def offtop_lines(*args: str) -> subprocess.Popen[str]:
+    """`offtop --batch --format json ARGS` started, its snapshots read line by line
+    from its stdout as they come."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "offtop.cli", "--batch", "--format", "json", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+    )
+
+
 def offtop_json(*args: str, count: int = 3, interval: str = "1", timeout: float = 60) -> list[dict[str, Any]]:
     """`offtop --batch --format json --count N ...`, parsed (one dict per interval)."""
     r = run_offtop("--batch", "--format", "json", "--count", str(count), "--interval", interval,

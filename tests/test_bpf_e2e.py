@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import offtop_json, remove_cgroup, task_of
+from tests.conftest import offtop_json, offtop_lines, remove_cgroup, task_of
 
 pytestmark = [pytest.mark.bpf, pytest.mark.usefixtures("bpf_available")]
 
@@ -113,16 +112,6 @@ def test_busy_spinner_is_about_zero(workloads: Any) -> None:
     assert offcpu_fraction(snaps, sleeper.tid) > 0.9
 
 
-def _offtop_lines(args: list[str]) -> subprocess.Popen[str]:
-    import sys
-
-    return subprocess.Popen(
-        [sys.executable, "-m", "offtop.cli", "--batch", "--format", "json", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        cwd=Path(__file__).resolve().parent.parent,
-    )
-
-
 def test_threshold_split_routes_without_double_counting(workloads: Any) -> None:
     """The same 20 blocks of 100 ms, seen by two offtops at once: one with the
     threshold below the block length (all events), one above (all aggregates)."""
@@ -130,8 +119,8 @@ def test_threshold_split_routes_without_double_counting(workloads: Any) -> None:
 
     # Every task (--limit 0): on a busy machine the workload's thread need not
     # be among the top 100 of a whole-machine capture.
-    low = _offtop_lines(["--threshold", "50ms", "--count", "60", "--limit", "0"])
-    high = _offtop_lines(["--threshold", "200ms", "--count", "60", "--limit", "0"])
+    low = offtop_lines("--threshold", "50ms", "--count", "60", "--limit", "0")
+    high = offtop_lines("--threshold", "200ms", "--count", "60", "--limit", "0")
     firsts = []
     try:
         for p in (low, high):  # both attached: each printed its first snapshot

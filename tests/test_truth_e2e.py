@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from offtop.model import MARK_TRUNCATED, MARK_USER_STACK_LOST, Snapshot
-from tests.conftest import ROOT, offtop_json, remove_cgroup, wait_until
+from tests.conftest import ROOT, offtop_json, offtop_lines, remove_cgroup, wait_until
 
 MS = 1_000_000
 WORKLOADS = ROOT / "tests" / "workloads"
@@ -127,8 +127,6 @@ def test_a_block_from_before_the_start_is_counted_once_whole_and_marked() -> Non
     is armed however slow the start. Its length is bounded by the clock: from
     between spawn and "seen in read" to between the close and cat's exit.
     (A `sleep 3` here ended before a start slowed by a CPU hog was done.)"""
-    import sys
-
     r, w = os.pipe()
     t_spawn = time.monotonic_ns()
     cat = subprocess.Popen(["/usr/bin/cat"], stdin=r, stdout=subprocess.DEVNULL,
@@ -138,10 +136,8 @@ def test_a_block_from_before_the_start_is_counted_once_whole_and_marked() -> Non
     try:
         assert wait_until(lambda: _in_read(cat.pid), timeout=30), "cat never blocked in read"
         t_blocked = time.monotonic_ns()
-        off = subprocess.Popen(
-            [sys.executable, "-m", "offtop.cli", "--batch", "--format", "json", "-p", str(cat.pid),
-             "--threshold", "1s", "--count", "4", "--interval", "1"],
-            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        off = offtop_lines("-p", str(cat.pid), "--threshold", "1s", "--count", "4",
+                           "--interval", "1")
         assert off.stdout is not None
         lines = [off.stdout.readline()]  # armed: the probe is attached
         assert lines[0].startswith("{"), lines
