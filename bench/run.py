@@ -116,16 +116,16 @@ class Tools:
     quiet: Quiet = field(default_factory=lambda: Quiet())
 
 
-def compile_c(src: Path, out: Path, libs: Sequence[str] = ()) -> Path:
-    """gcc with frame pointers, as tests/conftest.py builds its workloads."""
+def compile_c(src: Path, out: Path, libs: Sequence[str] = (), flags: Sequence[str] = ()) -> Path:
+    """gcc with frame pointers, as tests/conftest.py builds its workloads (and `flags`)."""
     if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
         return out
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise BenchError("no C compiler: `make bench` installs gcc")
     out.parent.mkdir(parents=True, exist_ok=True)  # a benchmark run alone, on a fresh clone
-    subprocess.run([cc, "-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-o", str(out), str(src), *libs],
-                   check=True)
+    subprocess.run([cc, "-O1", "-g", "-fno-omit-frame-pointer", "-pthread", *flags, "-o", str(out), str(src),
+                    *libs], check=True)
     return out
 
 

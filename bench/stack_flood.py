@@ -21,27 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from run import OUT, PY, ROOT, checkout
+from run import OUT, PY, ROOT, checkout, compile_c
 
 SOURCE = ROOT / "tests" / "workloads" / "many_stacks.c"
-
-
-def build() -> Path:
-    out = OUT / "many_stacks"
-    OUT.mkdir(parents=True, exist_ok=True)
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        sys.exit("stack_flood: no C compiler")
-    subprocess.run([cc, "-O1", "-fno-omit-frame-pointer", "-fno-optimize-sibling-calls",
-                    "-pthread", "-o", str(out), str(SOURCE)], check=True)
-    return out
 
 
 def one_run(binary: Path, where: Path, count: int, stacks: int, threads: int) -> dict[str, float]:
@@ -87,7 +75,8 @@ def main() -> None:
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("stack_flood: needs root (the probe)")
-    binary = build()
+    # As tests/test_truth_e2e.py builds it: each chain of calls a stack of its own.
+    binary = compile_c(SOURCE, OUT / "many_stacks", flags=("-fno-optimize-sibling-calls",))
     codes = [("this code", ROOT)] + ([(a.against, checkout(a.against))] if a.against else [])
     print(f"many_stacks {a.stacks} {a.threads}; offtop --batch -p PID --threshold 1s "
           f"--count {a.count} (default --limit); intervals after the first")
