@@ -37,6 +37,8 @@ MARK_DEPTH_LIMIT = "[depth limit]"
 """The stack was cut at the capture's depth limit."""
 MARK_USER_STACK_LOST = "[user stack lost]"
 """The user stack of this block could not be captured or stored."""
+MARK_PROCESS_GONE = "[not resolved: process gone]"
+"""The process was gone (its memory map with it) before offtop first saw it."""
 #: The stacks of a block that ended while offtop was stopping (not resolved: a
 #: signal must end offtop at once, whatever is left to symbolize).
 MARK_NOT_RESOLVED = "[not resolved: offtop was stopping]"

@@ -18,6 +18,8 @@ resolved is said, never guessed:
 - an address outside every executable mapping and every perf-map entry is
   not trusted (a frame-pointer walk through code without frame pointers
   reads garbage): the stack is cut there and ends with MARK_TRUNCATED;
+- a process gone before its first sight (its map gone with it) gives the
+  stack MARK_PROCESS_GONE alone;
 - caller frames (every address after the first is a return address) are
   looked up at address - 1, so a function ending in a call to a noreturn
   function is not reported as the function placed after it;
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from offtop.elf import TIME_BUDGET, ElfCache, ElfSymbols
-from offtop.model import MARK_TRUNCATED, Frame
+from offtop.model import MARK_PROCESS_GONE, MARK_TRUNCATED, Frame
 from offtop.safe_files import UNREADABLE, FileRefused, open_regular, read_proc_file
 from offtop.safe_text import decode
 from offtop.targets import task_start_time
@@ -494,7 +496,7 @@ class UserSymbols:
         p = self._proc(pid, start or None)
         if p is None:
             self._miss(PROCESS_GONE)
-            return (Frame(name=MARK_TRUNCATED),)
+            return (Frame(name=MARK_PROCESS_GONE),)
         out: list[Frame] = []
         for n, addr in enumerate(addrs):
             # Every address after the first is a return address: the call

@@ -27,7 +27,7 @@ import pytest
 from offtop.model import (
     MARK_BEHIND,
     MARK_NOT_RESOLVED,
-    MARK_TRUNCATED,
+    MARK_PROCESS_GONE,
     Aggregator,
     Frame,
     Sample,
@@ -419,7 +419,7 @@ def test_user_symbols_never_reuse_a_dead_process_cache() -> None:
     assert syms.evict() == 1
     assert syms.cached_processes == 0
     # A pid with no process: nothing can be trusted (a marked stack), never an old name.
-    assert [f.name for f in syms.resolve_stack(4242, [0x1000])] == [MARK_TRUNCATED]
+    assert [f.name for f in syms.resolve_stack(4242, [0x1000])] == [MARK_PROCESS_GONE]
 
 
 def test_user_symbols_stay_bounded() -> None:

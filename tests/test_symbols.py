@@ -21,7 +21,7 @@ import pytest
 
 from offtop.demangle import demangle
 from offtop.elf import TIME_BUDGET, ElfCache, load_elf
-from offtop.model import MARK_TRUNCATED, Frame
+from offtop.model import MARK_PROCESS_GONE, MARK_TRUNCATED, Frame
 from offtop.symbols import (
     NO_SYMBOL,
     REREAD_S,
@@ -124,7 +124,7 @@ def test_unresolved_frames_inside_a_mapping_read_module_plus_offset(tmp_path: Pa
 
 def test_a_process_gone_before_first_sight_gives_a_marked_empty_stack() -> None:
     u = UserSymbols(start_time=lambda pid: None)
-    assert [f.name for f in u.resolve_stack(4242, [0x401000, 0x401100])] == [MARK_TRUNCATED]
+    assert [f.name for f in u.resolve_stack(4242, [0x401000, 0x401100])] == [MARK_PROCESS_GONE]
     assert u.resolve_stack(4242, []) == ()
 
 

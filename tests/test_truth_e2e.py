@@ -303,3 +303,42 @@ def test_user_stacks_the_map_evicts_before_they_are_read_still_resolve(tmp_path:
                 if any(f.name.startswith("offtop_ms_") for f in st.user)}
     assert blocks > 1_000 and len(distinct) >= 390, (blocks, len(distinct))
     assert lost / blocks < 0.01, (lost, blocks)
+
+
+def test_a_process_born_and_gone_within_one_interval_keeps_its_names(workloads: Any) -> None:
+    # The kernel's sums are read once an interval; between, each sub-tick looks
+    # for keys new in the interval and resolves them while their process lives.
+    # A process that starts and is reaped within one interval (its sums read
+    # after it is gone, /proc/PID with it) is still shown by its functions'
+    # names. Resolved only at the read, its stack would be
+    # "[not resolved: process gone]".
+    from offtop.bpf.engine import BpfSource, EngineConfig
+
+    src = BpfSource(EngineConfig(threshold_ns=10**9))
+    src.start()
+    life: dict[str, Any] = {}
+
+    def run() -> None:
+        life["began"] = time.monotonic()
+        life["w"] = w = workloads("sleep", "10", "40")  # 40 blocks of 10 ms, then it exits
+        w.proc.wait(timeout=10)
+        life["gone"] = time.monotonic()
+
+    try:
+        stop = threading.Event()
+        assert src.next_snapshot(1.0, stop) is not None  # the first one is short
+        beside = threading.Thread(target=run)
+        beside.start()
+        snap = src.next_snapshot(3.0, stop)
+        read = time.monotonic()
+        beside.join()
+    finally:
+        src.close()
+    assert snap is not None
+    assert life["gone"] < read, "the workload outlived the interval: the test proves nothing"
+    mine = [st for st in snap.stacks if st.tid == life["w"].tid]
+    blocks = sum(st.count for st in mine)
+    named = sum(st.count for st in mine if [f.name for f in st.user][:2]
+                == ["offtop_wl_sleep", "sleep_thread"])
+    assert blocks == 40, mine
+    assert named == blocks, mine
