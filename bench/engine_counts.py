@@ -57,7 +57,6 @@ STEPS: list[tuple[type, str]] = [
     (stack_store.StackStore, "trim"), (stack_store.StackStore, "_free_user_ids"),
     (engine.BpfSource, "_read_new_stacks"), (stack_store.StackStore, "offer_user"),
     (probe.Probe, "stack"), (probe.Probe, "drain_aggregates"), (probe.Probe, "stack_ids"),
-    (probe.Probe, "peek_aggregates"), (engine.BpfSource, "_discover_rows"),
     (user_stacks.UserStackRepair, "repair"), (UserSymbols, "resolve_stack"),
     (Aggregator, "build_raw"),
 ]

@@ -306,12 +306,11 @@ def test_user_stacks_the_map_evicts_before_they_are_read_still_resolve(tmp_path:
 
 
 def test_a_process_born_and_gone_within_one_interval_keeps_its_names(workloads: Any) -> None:
-    # The kernel's sums are read once an interval; between, each sub-tick looks
-    # for keys new in the interval and resolves them while their process lives.
-    # A process that starts and is reaped within one interval (its sums read
-    # after it is gone, /proc/PID with it) is still shown by its functions'
-    # names. Resolved only at the read, its stack would be
-    # "[not resolved: process gone]".
+    # Each sub-tick (0.25 s) reads the sums and resolves new keys while their
+    # process lives. A process that starts and is reaped within one interval
+    # (the snapshot made after it is gone, /proc/PID with it) is still shown
+    # by its functions' names. Resolved only at the snapshot, its stack would
+    # be "[not resolved: process gone]" (seen with subtick_s=10).
     from offtop.bpf.engine import BpfSource, EngineConfig
 
     src = BpfSource(EngineConfig(threshold_ns=10**9))

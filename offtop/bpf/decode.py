@@ -168,8 +168,7 @@ ACC_STRUCT = struct.Struct("<IIIIiiQQQ16sIIiiII16s")
 assert ACC_STRUCT.size == ct.sizeof(AccRecord)
 
 
-def generation_sums(buf: Any, touched: Any, slots: int, gen: int, *,
-                    consume: bool = True) -> list[tuple[Any, ...]]:
+def generation_sums(buf: Any, touched: Any, slots: int, gen: int) -> list[tuple[Any, ...]]:
     """The per-slot sums offcpu.c filled in generation `gen` (offcpu_acc's raw bytes),
     as `ACC_STRUCT` tuples.
 
@@ -178,9 +177,7 @@ def generation_sums(buf: Any, touched: Any, slots: int, gen: int, *,
     set to 1 where the program started a slot's sums: the generation's bytes
     are searched with `find` (memchr speed) and zeroed as they are read, so
     the cost grows with the slots used, not with the array. A marked entry
-    is read only if tagged gen + 1 (its generation). `consume=False` leaves
-    the marks (a look at the generation the program is still writing: its
-    keys are set before its tag, its sums may be mid-update).
+    is read only if tagged gen + 1 (its generation).
     """
     size = ACC_STRUCT.size
     half = gen % 2
@@ -191,8 +188,7 @@ def generation_sums(buf: Any, touched: Any, slots: int, gen: int, *,
     out = []
     at = find(b"\x01", lo, hi)
     while at >= 0:
-        if consume:
-            touched[at] = 0
+        touched[at] = 0
         rec = unpack(buf, (2 * (at - lo) + half) * size)
         if rec[0] == want:
             out.append(rec)

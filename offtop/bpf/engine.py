@@ -7,10 +7,9 @@ only `set_threshold` and `blocked_waits` may be called from another thread
 (a single map write; reads of mapped memory).
 
 Each interval is cut in sub-ticks (0.25 s): at each, the ring is drained,
-the keys the kernel began summing since the last are looked at (not read
-and cleared: the sums are read once, at the interval's end) and symbolized
-while their processes still exist, flood control looks at the event rate,
-and the targets are checked. The interval's deadline always comes first: the ring
+the aggregates of the last sub-tick are read and symbolized while their
+processes still exist, flood control looks at the event rate, and the
+targets are checked. The interval's deadline always comes first: the ring
 is read in bounded batches and symbolizing has a time budget per sub-tick.
 """
 
@@ -42,7 +41,7 @@ from offtop.bpf.decode import (
 )
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.perf_ring import PerfRing
-from offtop.bpf.probe import Drained, Probe, RawRow, RawSums, agg_key
+from offtop.bpf.probe import Probe, RawRow, RawSums, agg_key
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import PythonFrames
 from offtop.bpf.row_frames import Resolved, RowFrames
@@ -205,8 +204,6 @@ class BpfSource:
         self.carried = 0
         self._last_tick = 0.0
         self._cut_at = 0.0  #: when the last sub-tick cut the kernel's sums
-        #: The last look found the kernel's map half full: the next sub-tick drains it.
-        self._drain_early = False
         self._interval_base = 0.0  #: when the last interval's resolving was done
         self._last_subtick = 0.0
         self._next_subtick = 0.0
@@ -435,19 +432,8 @@ class BpfSource:
         # The kernel's sums are cut here, next to the ring's read: both end the
         # sub-tick at one moment, the one an interval's length is taken from
         # (or, once a stop came, the moment the probe stopped recording).
-        # Between, the sums are only looked at for keys not seen yet in this
-        # interval (`_discover_rows`): the work of those sub-ticks grows with
-        # what is new, not with every key alive, and each key is summed once
-        # an interval. The kernel's map is read and cleared early only once a
-        # look found it half full.
-        peek = not last and not self._drain_early
-        if peek:
-            drained = self.probe.peek_aggregates()
-            self._drain_early = drained.in_hash >= self.config.agg_entries // 2
-        else:
-            self._cut_at = min(self._clock(), self.probe.stopped_at)
-            drained = self.probe.drain_aggregates()
-            self._drain_early = False
+        self._cut_at = min(self._clock(), self.probe.stopped_at)
+        drained = self.probe.drain_aggregates()
         if last:
             self._cut_counters = self.probe.counters()
             self._cut_cpu = SelfCost.cpu_s()
@@ -465,10 +451,7 @@ class BpfSource:
             for kept in self._known.values():
                 kept.final = False
         seq = self._seq + 1  # the interval being summed
-        if peek:
-            self._discover_rows(drained, deadline, seq)
-        else:
-            self._sum_rows(drained.keys, drained.sums, drained.row, False, deadline, seq)
+        self._sum_rows(drained.keys, drained.sums, drained.row, False, deadline, seq)
         if self._event_acc:
             keys, sums, raws = [], [], []
             for ekey, (tot, cnt, mx, comm, wcomm, wus, wks) in self._event_acc.items():
@@ -497,29 +480,13 @@ class BpfSource:
                 ))
             self._event_tail.clear()
 
-    def _discover_rows(self, drained: Drained, deadline: float, seq: int) -> None:
-        """Give interval `seq` a row, its sums zero, for each key of a look
-        (`Probe.peek_aggregates`) that has none yet: resolved (or carried) now,
-        while its process lives, and summed at the drain."""
-        rows = self._known
-        todo = [i for i, k in enumerate(drained.keys)
-                if (r := rows.get(k)) is None or r.seq != seq]
-        if not todo:
-            return
-        raws = [(*r[:5], 0, 0, 0, *r[8:]) for r in map(drained.row, todo)]
-        self._sum_rows([drained.keys[i] for i in todo],
-                       [(0, 0, 0, r[8], r[9][2], r[9][3]) for r in raws],
-                       raws.__getitem__, False, deadline, seq, look=True)
-
     def _sum_rows(self, keys: list[bytes], sums: list[RawSums], row_of: Callable[[int], RawRow],
-                  event: bool, deadline: float, seq: int, *, look: bool = False) -> None:
+                  event: bool, deadline: float, seq: int) -> None:
         """Sum rows into interval `seq`'s (`_known`): row i has key `keys[i]`, sums
         `sums[i]` and, decoded whole, `row_of(i)` (asked only for a key not summed
         this interval). A key summed before this interval is carried (see _Row),
         else resolved. `event`: long blocks' rows, never collapsed at a stop and
-        already checked against the targets (`_read_ring`). `look`: rows found by
-        a look, their sums zero: those without time to be resolved are left to
-        the drain, not summed unresolved."""
+        already checked against the targets (`_read_ring`)."""
         rows = self._known
         accepts = self.targets.accepts
         for lo in range(0, len(keys), _STOP_CHECK_ROWS):
@@ -533,8 +500,6 @@ class BpfSource:
             # next drain. Long blocks' rows are always resolved.
             stopping = not event and self.frames.gave_up()
             behind = not event and not stopping and self._clock() >= self._next_subtick
-            if look and (stopping or behind):
-                return
             if lo:
                 # Resolving a flood of new rows takes long: the ring of new
                 # stacks is read meanwhile too, or it overflows.
@@ -699,10 +664,8 @@ class BpfSource:
         iv = self._interval
         self._interval = _Interval(long_blocks=deque(maxlen=self.config.long_blocks_max))
         seq = self._seq
-        # This interval's rows; the others were not seen in it and are dropped
-        # (as is a row a look found and the drain did not sum: its key was read
-        # from a slot mid-update).
-        rows = self._known = {k: r for k, r in self._known.items() if r.seq == seq and r.count}
+        # This interval's rows; the others were not seen in it and are dropped.
+        rows = self._known = {k: r for k, r in self._known.items() if r.seq == seq}
         # Their ids stay in use (not reclaimed), carried rows' as resolved ones'.
         kept = rows.values()
         stacks.touch_all([r.kstack for r in kept] + [r.wks for r in kept],

@@ -89,9 +89,9 @@ class Drained:
 
     `keys[i]` is row i's struct agg_key as bytes (equal for equal keys, from
     the hash or a thread's slot alike: a dict key that costs no decoding) and
-    `sums[i]` what summing it needs (empty for a look: `Probe.peek_aggregates`);
-    `row(i)` decodes it whole, for a key seen for the first time. On a busy
-    server most rows are keys seen before, so most are never decoded.
+    `sums[i]` what summing it needs; `row(i)` decodes it whole, for a key seen
+    for the first time. On a busy server most rows are keys seen before, so
+    most are never decoded.
     """
 
     keys: list[bytes]
@@ -99,11 +99,6 @@ class Drained:
     _values: bytes  # the hash's agg_vals, rows 0.._in_hash - 1
     _in_hash: int
     _slots: list[tuple[Any, ...]]  # ACC_STRUCT tuples, the rest
-
-    @property
-    def in_hash(self) -> int:
-        """How many of the rows came from the hash map (the rest from threads' slots)."""
-        return self._in_hash
 
     def row(self, i: int) -> RawRow:
         """Row i: (tgid, tid, state, ustack, kstack, total_ns, count, max_ns, comm, waker)."""
@@ -349,37 +344,25 @@ class Probe:
         # sched_switch runs its programs with interrupts off: one that read the
         # old generation finishes within microseconds of the flip.
         time.sleep(0.0005)
-        return self._read_generation(old, consume=True)
-
-    def peek_aggregates(self) -> Drained:
-        """The keys the program has summed so far in the generation it writes, read
-        without clearing or switching (the sums go on: `drain_aggregates` reads
-        them whole). For finding new keys between drains; the sums read here are
-        a moment's and may be torn, so only keys and names are to be used."""
-        return self._read_generation(self._gen, consume=False)
-
-    def _read_generation(self, gen: int, *, consume: bool) -> Drained:
-        table = self._map(f"offcpu_agg{gen & 1}")
-        raw = table.items_raw(delete=consume)
+        table = self._map(f"offcpu_agg{old & 1}")
+        raw = table.items_raw(delete=True)
         if raw is None:  # no batch commands here: one entry at a time
-            items = table.items(delete=consume)
+            items = table.items(delete=True)
             raw = b"".join(k for k, _ in items), b"".join(v for _, v in items), len(items)
         keys, values, n = raw
         size = _AGG_KEY.size
         assert self._acc_mm is not None and self._touched_mm is not None
-        slots = generation_sums(self._acc_mm, self._touched_mm, self.config.start_entries, gen,
-                                consume=consume)
+        slots = generation_sums(self._acc_mm, self._touched_mm, self.config.start_entries, old)
         pack = _AGG_KEY.pack
         return Drained(
             [keys[at:at + size] for at in range(0, n * size, size)]
             + [pack(tgid, tid, us, ks, st, wtgid, wtid, what)
                for (_tag, tid, tgid, st, us, ks, _t, _m, _c, _comm, wtgid, wtid, _wus, _wks,
                     what, _pad, _wcomm) in slots],
-            # A look's sums are not to be used: not decoded.
             list(_AGG_SUMS.iter_unpack(values))
             + [(total, mx, count, comm, wus, wks)
                for (_tag, _tid, _tgid, _st, _us, _ks, total, mx, count, comm, _wtgid, _wtid,
-                    wus, wks, _what, _pad, _wcomm) in slots] if consume else [],
+                    wus, wks, _what, _pad, _wcomm) in slots],
             values, n, slots)
 
     def thread_records(self) -> list[tuple[int, StartRecord, int]]:
