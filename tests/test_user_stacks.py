@@ -1,14 +1,16 @@
 """UserStackRepair's rules over processes' lives: taught per process, forgotten
-on both sides once it is gone or its pid is another's (no BPF: the probe's
-side is a recording fake)."""
+on both sides once it is gone or its pid is another's; and where a walk ended
+(no BPF: the probe's side is a recording fake)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
+from offtop.bpf.decode import FP_FRAME_TAG
 from offtop.bpf.user_stacks import RULE_FP, UserStackRepair
 from offtop.unwind.maps import ExecMapping
+from offtop.unwind.rules import CfaKind, RegKind, Rule
 
 
 class FakeUnwinder:
@@ -86,3 +88,45 @@ def test_mappings_are_asked_with_the_process_start_time_the_repair_knows() -> No
     repair.repair(100, (0x1000, 0x2000), start=7)
     assert asked and all(pid == 100 and start == 7 for pid, _, start in asked)
     assert {pc for _, pc, _ in asked} == {0x1000, 0x2000}
+
+
+class RulesByPc:
+    """A fake unwinder with a rule for some pcs (a table's rows, as `Unwinder` gives them)."""
+
+    def __init__(self, rules: dict[int, Rule]) -> None:
+        self._rules = rules
+
+    def rule_for(self, pid: int, addr: int, *, exact: bool, maps: Any = None) -> Rule | None:
+        return self._rules.get(addr if exact else addr - 1)
+
+
+# rsp-based (no frame pointer), its caller's address at CFA - 8: libc's start_thread.
+NO_FP = Rule(CfaKind.RSP, 7, 16, 0, RegKind.OFFSET, 0, -8, RegKind.SAME, 0, 0)
+# The outermost frame (the return address undefined): clone3, _start.
+OUTERMOST = Rule(CfaKind.RSP, 7, 8, 0, RegKind.UNDEFINED, 0, 0, RegKind.SAME, 0, 0)
+# rbp-based: a frame-pointer frame.
+FP = Rule(CfaKind.RBP, 6, 16, 0, RegKind.OFFSET, 0, -8, RegKind.OFFSET, 0, -16)
+
+
+def test_a_walk_that_ended_in_a_frame_without_frame_pointer_that_has_a_caller_is_cut() -> None:
+    """The probe stepped the last frame along the rbp chain (it had no rule there yet)
+    and stopped: if the function there keeps no frame pointer and has a caller, the
+    stack goes on past it and is cut (marked truncated); at an outermost frame, or a
+    frame-pointer one (the chain's end), it is whole. A last frame the probe had a
+    rule for says nothing of how the walk ended: not cut."""
+    probe = FakeProbe()
+    unwinder = RulesByPc({0x1000: FP, 0x1fff: FP, 0x2fff: NO_FP, 0x3fff: OUTERMOST})
+    repair = UserStackRepair(unwinder, probe.teach, maps=lambda pid, pc, start: [])  # type: ignore[arg-type]
+    stack = (0x1000, 0x2000 | FP_FRAME_TAG, 0x3000 | FP_FRAME_TAG)
+    assert repair.repair(100, stack, start=7) == ((0x1000, 0x2000, 0x3000), True)
+    # Taught since: the probe now steps past 0x3000 by its rule.
+    assert repair.repair(100, (0x1000, 0x2000, 0x3000, 0x4000), start=7) \
+        == ((0x1000, 0x2000, 0x3000, 0x4000), False)
+    assert repair.repair(100, (0x1000, 0x2000, 0x3000), start=7) \
+        == ((0x1000, 0x2000, 0x3000), False)  # 0x3000 was taught: the walk had its rule
+    # Another process, stopped at its outermost frame or at a frame-pointer frame: whole.
+    assert repair.repair(200, (0x1000, 0x2000, 0x3000, 0x4000), start=9)[1] is False
+    assert repair.repair(300, (0x1000, 0x2000), start=9)[1] is False
+    # Nothing is taught for a process gone (start 0): nothing is said of its end.
+    assert repair.repair(400, (0x1000, 0x2000, 0x3000), start=0)[1] is False
+    assert repair.stats.cut == 1

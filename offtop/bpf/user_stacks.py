@@ -12,8 +12,11 @@ Frames the probe reached along the rbp chain carry a tag (bit 63). Such a
 frame is kept only if the function below it keeps rbp as its frame base
 there (its CFA is rbp-based, or nothing says otherwise); in code without
 frame pointers rbp is an ordinary register and the chain from it is junk,
-so the stack is cut there and marked truncated. Frames outside every
-mapping are cut by the symbolizer.
+so the stack is cut there and marked truncated. A walk that ended at a frame
+it stepped along the rbp chain, in a function that keeps no frame pointer
+but has a caller (libc's start_thread, before its rule is taught), stopped
+short of the stack's end: marked truncated too, not shown as whole. Frames
+outside every mapping are cut by the symbolizer.
 """
 
 from __future__ import annotations
@@ -146,8 +149,10 @@ class UserStackRepair:
         # None: the process is gone, there is nobody to teach.
         taught = self._taught.setdefault(pid, set()) if start else None
         out = [addrs[0]]
+        # The rule learned just now for the last frame: the probe had none for it.
+        last_rule = None
         if taught is not None and addrs[0] not in taught:
-            self._learn(pid, taught, addrs[0], True)
+            last_rule = self._learn(pid, taught, addrs[0], True)
         for addr in addrs[1:]:
             if addr & FP_FRAME_TAG:
                 addr &= ~FP_FRAME_TAG
@@ -155,8 +160,17 @@ class UserStackRepair:
                     self.stats.cut += 1
                     return tuple(out), True
             out.append(addr)
+            last_rule = None
             if taught is not None and addr not in taught:
-                self._learn(pid, taught, addr, False)
+                last_rule = self._learn(pid, taught, addr, False)
+        if last_rule is not None and last_rule & 0xFF == RULE_RSP:
+            # The walk ended at a frame it stepped along the rbp chain, in a
+            # function whose frame is not rbp-based yet has a caller (libc's
+            # start_thread in a new process, before its rules are taught): the
+            # stack goes on past where the walk could follow. Cut, so that it
+            # is marked, not shown as if whole.
+            self.stats.cut += 1
+            return tuple(out), True
         return tuple(out), False
 
     def _keeps_frame_pointer(self, pid: int, addr: int, first: bool) -> bool:
@@ -173,10 +187,13 @@ class UserStackRepair:
             self._keeps_count += 1
         return keeps
 
-    def _learn(self, pid: int, taught: set[int], addr: int, first: bool) -> None:
+    def _learn(self, pid: int, taught: set[int], addr: int, first: bool) -> int | None:
+        """Teach the probe the rule at `addr`; the rule as packed, or None over the budget."""
         if self._count >= self._max_rules:
-            return
+            return None
         taught.add(addr)
         self._count += 1
-        self._teach(pid, addr, pack_rule(self._rule(pid, addr, first)))
+        rule = pack_rule(self._rule(pid, addr, first))
+        self._teach(pid, addr, rule)
         self.stats.rules_taught += 1
+        return rule
