@@ -136,11 +136,11 @@ def _prog_load(attr: _ProgLoadAttr) -> int:
     """BPF_PROG_LOAD, again while it fails with EAGAIN: the verifier stops when a signal
     is pending (a debugger or profiler attaching, a terminal resized), and offtop's
     start failed on it ("Resource temporarily unavailable" under py-spy)."""
-    for _ in range(PROG_LOAD_TRIES - 1):
+    for _ in range(PROG_LOAD_TRIES):
         fd = syscalls.bpf(syscalls.BPF_PROG_LOAD, attr)
         if fd != -errno.EAGAIN:
-            return fd
-    return syscalls.bpf(syscalls.BPF_PROG_LOAD, attr)
+            break
+    return fd
 
 
 def tracepoint_id(tracefs: Path, category: str, event: str) -> int:
