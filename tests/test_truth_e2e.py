@@ -318,7 +318,6 @@ def test_a_process_born_and_gone_within_one_interval_keeps_its_names(workloads: 
     life: dict[str, Any] = {}
 
     def run() -> None:
-        life["began"] = time.monotonic()
         life["w"] = w = workloads("sleep", "10", "40")  # 40 blocks of 10 ms, then it exits
         w.proc.wait(timeout=10)
         life["gone"] = time.monotonic()
