@@ -36,7 +36,7 @@ from offtop.cli_args import (
     parse_interval_arg,
     pusher_from_args,
 )
-from offtop.cli_io import OutputError, StdStreams, open_output
+from offtop.cli_io import OutputError, StdStreams, end_process, open_output
 from offtop.outputs import Outputs, PushOutput, RecordOutput, TeeSource, recording_header
 from offtop.source import ReplaySource, SnapshotSource
 
@@ -218,4 +218,4 @@ def _replay_source(args: argparse.Namespace) -> tuple[ReplaySource, float, int |
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

@@ -7,6 +7,9 @@ traceback. Nothing has started yet, so there is nothing to undo or say:
 status 0, as for any stop by signal. (SIGTERM and SIGHUP end the process by
 default in that window, silently too.) A Ctrl-C whose KeyboardInterrupt
 Python dropped is noted all the same (`offtop.early_signal`).
+
+Once offtop has run, the process ends without the interpreter's teardown
+(`offtop.cli_io.end_process`): everything is closed by then.
 """
 
 from __future__ import annotations
@@ -23,4 +26,6 @@ def main() -> int:
         return 0
     if early_signal.noted():
         return 0
-    return cli_main()
+    from offtop.cli_io import end_process
+
+    end_process(cli_main())
