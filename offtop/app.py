@@ -424,6 +424,13 @@ class OfftopApp(App[int]):
         table = self.query_one(TaskTable)
         self.push_screen(table.sort_menu(), lambda column: table.sort_by(column) if column else None)
 
+    def action_quit_key(self) -> None:
+        """q: quit, unless it is typed (the filter, the threshold) or a screen over the
+        tasks has the keys (help, a menu, the command palette), which get it then."""
+        if isinstance(self.focused, Input) or len(self.screen_stack) > 1:
+            raise SkipAction()
+        self.exit()
+
     def action_threshold(self, steps: int) -> None:
         """The long-block threshold one step up or down (typed text in an input)."""
         if isinstance(self.focused, Input):

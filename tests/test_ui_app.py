@@ -1173,6 +1173,36 @@ async def test_quit_keys(key: str) -> None:
         assert app.stopping.is_set() and not app.is_running
 
 
+async def test_q_is_text_where_typed_and_closes_screens_of_its_own() -> None:
+    """q quits before the focused pane sees it (a priority key), except where it is
+    typed (the filter, the threshold) or a screen over the tasks takes it (help)."""
+    src = fake_source()
+    app = OfftopApp(src, clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        await pilot.press("slash", *"squid")
+        await pilot.pause()
+        assert app.query_one(FilterInput).value == "squid"
+        await pilot.press("escape")
+        box = app.query_one(ThresholdInput)
+        box.focus()
+        await pilot.press("q")
+        await pilot.pause()
+        assert "q" in box.value
+        await pilot.press("escape")
+        app.query_one(TaskTable).focus()
+        await pilot.press("f1")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("q")
+        await pilot.pause()
+        assert not isinstance(app.screen, HelpScreen)
+        assert app.is_running and not app.stopping.is_set()
+        await pilot.press("q")
+        await pilot.pause()
+        assert app.stopping.is_set() and not app.is_running
+
+
 async def test_sigterm_exits_cleanly() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:

@@ -62,7 +62,8 @@ def help_sections(app_bindings: Sequence[BindingType]) -> list[HelpSection]:
 
 
 def merged_bindings(bindings: Iterable[BindingType]) -> list[tuple[list[Binding], str]]:
-    """Bindings with an id, grouped by action: `[(bindings, description)]`.
+    """Bindings with an id, grouped by action (or by their `group`, for keys that do
+    the same by different actions): `[(bindings, description)]`.
 
     A primary binding and its secondary keys (same action, `show=False`) make
     one line, e.g. `p / space  Pause`.
@@ -71,9 +72,10 @@ def merged_bindings(bindings: Iterable[BindingType]) -> list[tuple[list[Binding]
     for b in bindings:
         if not isinstance(b, Binding) or b.id is None:
             continue
-        keys, desc = out.get(b.action, ([], ""))
+        line = f"group:{b.group.description}" if b.group is not None else b.action
+        keys, desc = out.get(line, ([], ""))
         keys.append(b)
-        out[b.action] = (keys, desc or b.tooltip or b.description)
+        out[line] = (keys, desc or b.tooltip or b.description)
     return list(out.values())
 
 
