@@ -49,7 +49,6 @@ def end_process(status: int) -> NoReturn:
     os._exit(status)
 
 
-
 class StdStreams:
     """fds 0-2 as offtop found them, each made open before anything else is.
 
