@@ -201,6 +201,8 @@ def _run_tui(streams: StdStreams, source: SnapshotSource, interval: float,
         code = run_app(guard.source, interval_s=interval, on_error=errors.append)
     if errors:  # said after the terminal is back and stderr is the user's again
         return fail(str(errors[0]), EXIT_FAILURE)
+    if isinstance(source, TeeSource):
+        source.finish()  # a recording or a push gets the unfinished interval too
     return code
 
 

@@ -156,6 +156,7 @@ class TeeSource:
     def __init__(self, source: SnapshotSource, outputs: Outputs) -> None:
         self.source = source
         self.outputs = outputs
+        self._started = False
 
     @property
     def info(self) -> SourceInfo:
@@ -168,6 +169,18 @@ class TeeSource:
     def start(self) -> None:
         self.source.start()
         self.outputs.start()
+        self._started = True
+
+    def finish(self) -> None:
+        """The app has quit: the unfinished interval goes to the outputs too, as batch
+        mode writes it on a signal, so that a recording holds what happened up to the
+        quit (its screen is gone by then: nothing shows it). A replay has no
+        unfinished interval (its next one is a whole other one)."""
+        if not self._started or self.source.info.kind == "replay":
+            return
+        last = self.source.next_snapshot(0.0, threading.Event())
+        if last is not None:
+            self.outputs.add(last)
 
     def next_snapshot(self, interval_s: float, stop: threading.Event) -> Snapshot | None:
         snap = self.source.next_snapshot(interval_s, stop)

@@ -585,6 +585,32 @@ def test_the_tui_records_while_it_runs(bpf_available: None, workloads: Any,
     assert any(st.tid == w.tid for s in rec.timeline for st in s.stacks)
 
 
+@pytest.mark.bpf
+def test_q_records_the_unfinished_interval_too(bpf_available: None, workloads: Any,
+                                               tmp_path: Path) -> None:
+    """Quitting the TUI keeps what happened since the last snapshot in the recording,
+    as a signal does in batch mode: 5 s intervals, q ~2 s after the first snapshot."""
+    from tests.test_faults import Tmux
+
+    w = workloads("sleep", "100")
+    path = tmp_path / "tui.gz"
+    tmux = Tmux()
+    try:
+        tmux.type(f"cd {ROOT} && {sys.executable} -m offtop.cli -p {w.pid} --interval 5 "
+                  f"--record {path}; echo offtop-exit=$?")
+        assert wait_until(lambda: " #1 " in tmux.screen(), timeout=60), tmux.screen()
+        time.sleep(2)
+        tmux.run("send-keys", "-t", "t", "q")
+        assert wait_until(lambda: "offtop-exit=0" in tmux.screen(), timeout=10), tmux.screen()
+    finally:
+        tmux.close()
+    timeline = load_recording(path).timeline
+    assert len(timeline) == 2, [s.interval_s for s in timeline]
+    last = timeline[1]
+    assert 1.5 < last.interval_s < 4.9  # the unfinished one: from the first snapshot to q
+    assert any(st.tid == w.tid and st.offcpu_ns > 1_000_000_000 for st in last.stacks)
+
+
 def test_a_recording_that_fills_its_disk_ends_the_run_with_one_line(tmp_path: Path) -> None:
     """The disk fills in the middle of a run: status 1, one line, what was written still plays."""
     from tests.conftest import need_root
