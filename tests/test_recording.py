@@ -562,23 +562,31 @@ def test_a_signal_records_the_unfinished_interval_too(bpf_available: None, workl
     assert timeline[2].interval_s < 0.9  # the unfinished one
 
 
-@pytest.mark.bpf
-def test_the_tui_records_while_it_runs(bpf_available: None, workloads: Any,
-                                       tmp_path: Path) -> None:
+def _record_in_the_tui(path: Path, pid: int, interval: str, shown: str,
+                       then_s: float = 0.0) -> None:
+    """`offtop -p PID --interval INTERVAL --record PATH` in tmux, quit with q `then_s`
+    after the header's snapshot number matches `shown` (a regex); it must exit 0."""
     from tests.test_faults import Tmux
 
-    w = workloads("sleep", "100")
-    path = tmp_path / "tui.gz"
     tmux = Tmux()
     try:
-        tmux.type(f"cd {ROOT} && {sys.executable} -m offtop.cli -p {w.pid} --interval 0.5 "
+        tmux.type(f"cd {ROOT} && {sys.executable} -m offtop.cli -p {pid} --interval {interval} "
                   f"--record {path}; echo offtop-exit=$?")
-        assert wait_until(lambda: re.search(r" #(?:[3-9]|\d\d+) ", tmux.screen()) is not None,
+        assert wait_until(lambda: re.search(shown, tmux.screen()) is not None,
                           timeout=60), tmux.screen()
+        time.sleep(then_s)
         tmux.run("send-keys", "-t", "t", "q")
         assert wait_until(lambda: "offtop-exit=0" in tmux.screen(), timeout=10), tmux.screen()
     finally:
         tmux.close()
+
+
+@pytest.mark.bpf
+def test_the_tui_records_while_it_runs(bpf_available: None, workloads: Any,
+                                       tmp_path: Path) -> None:
+    w = workloads("sleep", "100")
+    path = tmp_path / "tui.gz"
+    _record_in_the_tui(path, w.pid, "0.5", r" #(?:[3-9]|\d\d+) ")
     rec = load_recording(path)
     assert rec.header is not None and rec.header.scope == f"pid {w.pid}" and not rec.cut_short
     assert len(rec.timeline) >= 3
@@ -590,20 +598,9 @@ def test_q_records_the_unfinished_interval_too(bpf_available: None, workloads: A
                                                tmp_path: Path) -> None:
     """Quitting the TUI keeps what happened since the last snapshot in the recording,
     as a signal does in batch mode: 5 s intervals, q ~2 s after the first snapshot."""
-    from tests.test_faults import Tmux
-
     w = workloads("sleep", "100")
     path = tmp_path / "tui.gz"
-    tmux = Tmux()
-    try:
-        tmux.type(f"cd {ROOT} && {sys.executable} -m offtop.cli -p {w.pid} --interval 5 "
-                  f"--record {path}; echo offtop-exit=$?")
-        assert wait_until(lambda: " #1 " in tmux.screen(), timeout=60), tmux.screen()
-        time.sleep(2)
-        tmux.run("send-keys", "-t", "t", "q")
-        assert wait_until(lambda: "offtop-exit=0" in tmux.screen(), timeout=10), tmux.screen()
-    finally:
-        tmux.close()
+    _record_in_the_tui(path, w.pid, "5", r" #1 ", then_s=2.0)
     timeline = load_recording(path).timeline
     assert len(timeline) == 2, [s.interval_s for s in timeline]
     last = timeline[1]
