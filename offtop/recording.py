@@ -55,6 +55,7 @@ from typing import overload
 from offtop import __version__
 from offtop.model import Snapshot
 from offtop.snapshot_json import (
+    FrameTable,
     JsonObject,
     SnapshotJsonError,
     parse_json,
@@ -223,7 +224,8 @@ class Timeline(Sequence[Snapshot]):
     """
 
     def __init__(self, entries: Sequence[bytes], times: Sequence[float], *,
-                 compressed: Sequence[bool], cache: int = 16) -> None:
+                 compressed: Sequence[bool], cache: int = 4,
+                 frames: FrameTable | None = None) -> None:
         if not len(entries) == len(times) == len(compressed):
             raise ValueError("entries, times and compressed must have the same length")
         self._entries = list(entries)
@@ -231,6 +233,8 @@ class Timeline(Sequence[Snapshot]):
         self.times: tuple[float, ...] = tuple(times)
         self._cache: collections.OrderedDict[int, Snapshot] = collections.OrderedDict()
         self._cache_max = cache
+        # The snapshots' stacks, shared (see FrameTable): those the load checked, too.
+        self._frames = frames if frames is not None else FrameTable()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -254,7 +258,7 @@ class Timeline(Sequence[Snapshot]):
             return snap
         raw = self._entries[index]
         line = gzip.decompress(raw) if self._compressed[index] else raw
-        snap = snapshot_from_json(parse_json(line))  # checked at load: cannot fail here
+        snap = snapshot_from_json(parse_json(line), self._frames)  # checked at load: cannot fail
         self._cache[index] = snap
         if len(self._cache) > self._cache_max:
             self._cache.popitem(last=False)
@@ -456,6 +460,7 @@ def load_recording(path: str | os.PathLike[str]) -> Recording:
     plain = 0
     cut_short = False
     n = 0
+    frames = FrameTable()
     read = _lines(data)
     while True:
         try:
@@ -479,7 +484,7 @@ def load_recording(path: str | os.PathLike[str]) -> Recording:
                                             "(two recordings in one file?)")
                 header = RecordingHeader.from_json(obj)
                 continue
-            snap = snapshot_from_json(obj)
+            snap = snapshot_from_json(obj, frames)
         except SnapshotJsonError as e:
             raise RecordingError(f"line {n}: {e}") from None
         times.append(snap.time)
@@ -496,4 +501,5 @@ def load_recording(path: str | os.PathLike[str]) -> Recording:
             compressed.append(False)
     if not entries:
         raise RecordingError("holds no snapshots (empty, or blank lines only)")
-    return Recording(header, Timeline(entries, times, compressed=compressed), cut_short)
+    return Recording(header, Timeline(entries, times, compressed=compressed, frames=frames),
+                     cut_short)

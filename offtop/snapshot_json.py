@@ -359,15 +359,60 @@ _ABSENT = object()
 _EMPTY: list[object] = []
 
 
-def _frames(o: JsonObject, kernel: bool, *, required: bool = True) -> tuple[Frame, ...]:
+class FrameTable:
+    """Decoded stacks, shared: each distinct stack one tuple of shared `Frame`s.
+
+    A busy server's snapshot names the same few hundred functions in some
+    300,000 frames (each row's stacks and each of its wakers'). Decoded
+    apart, the 16 snapshots a replay keeps decoded (`recording.Timeline`)
+    held 4.8 million `Frame`s, 1.5 GB, and each of the TUI's full GC passes
+    walked them all (2.7 s). A table shared by a recording's snapshots keeps
+    one of each. Bounded: emptied past `max_stacks` stacks (what was decoded
+    keeps its tuples). Equal frames compare equal either way: sharing
+    changes memory and speed, not what a snapshot says.
+    """
+
+    def __init__(self, max_stacks: int = 100_000) -> None:
+        self._max = max_stacks
+        self._stacks: dict[tuple[bool, tuple[str, ...], tuple[str, ...]], tuple[Frame, ...]] = {}
+        self._frames: dict[tuple[str, str, bool], Frame] = {}
+
+    def __len__(self) -> int:
+        return len(self._stacks)
+
+    def stack(self, names: Sequence[str], modules: Sequence[str], kernel: bool
+              ) -> tuple[Frame, ...]:
+        """The frames named `names` (user ones in `modules`, by position)."""
+        key = (kernel, tuple(names), () if kernel else tuple(modules))
+        got = self._stacks.get(key)
+        if got is None:
+            if len(self._stacks) >= self._max:
+                self._stacks.clear()
+                self._frames.clear()
+            frame = self._frame
+            if kernel:
+                got = tuple(frame(n, "kernel", True) for n in names)
+            else:
+                got = tuple(frame(n, modules[i] if i < len(modules) else "", False)
+                            for i, n in enumerate(names))
+            self._stacks[key] = got
+        return got
+
+    def _frame(self, name: str, module: str, kernel: bool) -> Frame:
+        key = (name, module, kernel)
+        f = self._frames.get(key)
+        if f is None:
+            f = self._frames[key] = Frame(name=name, module=module, kernel=kernel)
+        return f
+
+
+def _frames(o: JsonObject, kernel: bool, table: FrameTable, *, required: bool = True
+            ) -> tuple[Frame, ...]:
     """The `kernel` or `user` frames of an object (user ones with their modules)."""
     absent = None if required else _NO_NAMES
     if kernel:
-        return tuple(Frame(name=n, module="kernel", kernel=True)
-                     for n in o.texts("kernel", absent))
-    mods = o.texts("user_modules", _NO_NAMES)
-    return tuple(Frame(name=n, module=mods[i] if i < len(mods) else "")
-                 for i, n in enumerate(o.texts("user", absent)))
+        return table.stack(o.texts("kernel", absent), _NO_NAMES, True)
+    return table.stack(o.texts("user", absent), o.texts("user_modules", _NO_NAMES), False)
 
 
 _NO_NAMES: list[str] = []
@@ -377,17 +422,17 @@ def _drop_zero_states(m: Mapping[str, int]) -> dict[str, int]:
     return {k: v for k, v in m.items() if v}
 
 
-def _waker(o: JsonObject) -> Waker:
+def _waker(o: JsonObject, table: FrameTable) -> Waker:
     return Waker(pid=o.count("pid"), tid=o.count("tid"), comm=o.text("comm"),
-                 kind=o.text("kind", "task"), kernel=_frames(o, True, required=False),
-                 user=_frames(o, False, required=False))
+                 kind=o.text("kind", "task"), kernel=_frames(o, True, table, required=False),
+                 user=_frames(o, False, table, required=False))
 
 
 def waker_from_json(d: object) -> Waker | None:
     """The inverse of `waker_to_json` (None and {} are "no waker")."""
     if d is None or d == {}:
         return None
-    return _waker(JsonObject(d, "waker"))
+    return _waker(JsonObject(d, "waker"), FrameTable())
 
 
 def _stats(o: JsonObject | None, interval_s: float) -> CaptureStats:
@@ -438,39 +483,43 @@ def _process(p: JsonObject) -> ProcessRow:
                       user=p.text("user", ""), cmdline=p.text("cmdline", ""))
 
 
-def _waker_row(w: JsonObject) -> WakerRow:
-    return WakerRow(_waker(w), w.count("offcpu_ns"), w.count("count"))
+def _waker_row(w: JsonObject, table: FrameTable) -> WakerRow:
+    return WakerRow(_waker(w, table), w.count("offcpu_ns"), w.count("count"))
 
 
-def _stack(s: JsonObject) -> StackRow:
+def _stack(s: JsonObject, table: FrameTable) -> StackRow:
     return StackRow(pid=s.count("pid"), tid=s.count("tid"), comm=s.text("comm"),
                     state=s.text("state"), offcpu_ns=s.count("offcpu_ns"),
                     count=s.count("count"), max_ns=s.count("max_ns", 0),
                     before_start=s.flag("before_start", False),
-                    wakers=tuple(_waker_row(w) for w in s.rows("wakers")),
-                    kernel=_frames(s, True), user=_frames(s, False))
+                    wakers=tuple(_waker_row(w, table) for w in s.rows("wakers")),
+                    kernel=_frames(s, True, table), user=_frames(s, False, table))
 
 
-def _long_block(b: JsonObject) -> LongBlock:
+def _long_block(b: JsonObject, table: FrameTable) -> LongBlock:
     waker = b.obj("waker")
     return LongBlock(time=b.seconds("time"), pid=b.count("pid"), tid=b.count("tid"),
                      comm=b.text("comm"), state=b.text("state"),
                      duration_ns=b.count("duration_ns"),
-                     kernel=_frames(b, True), user=_frames(b, False),
+                     kernel=_frames(b, True, table), user=_frames(b, False, table),
                      cgroup_id=b.count("cgroup_id", 0),
                      before_start=b.flag("before_start", False),
-                     waker=_waker(waker) if waker is not None else None)
+                     waker=_waker(waker, table) if waker is not None else None)
 
 
-def _blocked(b: JsonObject) -> BlockedNow:
+def _blocked(b: JsonObject, table: FrameTable) -> BlockedNow:
     return BlockedNow(pid=b.count("pid"), tid=b.count("tid"), comm=b.text("comm"),
                       state=b.text("state"), blocked_ns=b.count("blocked_ns"),
                       before_start=b.flag("before_start", False),
-                      kernel=_frames(b, True), user=_frames(b, False))
+                      kernel=_frames(b, True, table), user=_frames(b, False, table))
 
 
-def snapshot_from_json(d: object) -> Snapshot:
-    """Rebuild a snapshot from `snapshot_to_json` output; `SnapshotJsonError` if it is not one."""
+def snapshot_from_json(d: object, frames: FrameTable | None = None) -> Snapshot:
+    """Rebuild a snapshot from `snapshot_to_json` output; `SnapshotJsonError` if it is not one.
+
+    Its stacks are shared with those of every snapshot decoded with the same
+    `frames` table (by default, within this one only)."""
+    table = frames if frames is not None else FrameTable()
     if type(d) is not dict:
         raise SnapshotJsonError(
             f"expected one JSON object per line (a snapshot), found {json_type(d)}")
@@ -483,9 +532,9 @@ def snapshot_from_json(d: object) -> Snapshot:
         threshold_ns=o.count("threshold_ns"),
         tasks=tuple(_task(t) for t in o.rows("tasks")),
         processes=tuple(_process(p) for p in o.rows("processes")),
-        stacks=tuple(_stack(s) for s in o.rows("stacks")),
-        long_blocks=tuple(_long_block(b) for b in o.rows("long_blocks")),
-        blocked_now=tuple(_blocked(b) for b in o.rows("blocked_now")),
+        stacks=tuple(_stack(s, table) for s in o.rows("stacks")),
+        long_blocks=tuple(_long_block(b, table) for b in o.rows("long_blocks")),
+        blocked_now=tuple(_blocked(b, table) for b in o.rows("blocked_now")),
         stats=_stats(o.obj("stats"), interval_s),
         notices=tuple(o.texts("notices", [])),
         finished=o.text("finished", ""),

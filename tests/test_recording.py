@@ -121,6 +121,22 @@ def test_load_gives_the_header_and_every_interval(tmp_path: Path,
     assert rec.timeline.stored_bytes < json_bytes / 4
 
 
+def test_a_replay_holds_each_stack_and_each_frame_once(tmp_path: Path,
+                                                       snaps: list[Snapshot]) -> None:
+    # Decoded apart, a busy server's recording (the same few hundred
+    # functions in ~300,000 frames a snapshot) held millions of Frames in a
+    # replay, 1.5 GB, and each of the TUI's full GC passes walked them all.
+    rec = load_recording(record(tmp_path / "r.gz", snaps))
+    decoded = list(rec.timeline)
+    assert all(same(a, b) for a, b in zip(decoded, snaps, strict=True))
+    stacks = [st for s in decoded for row in s.stacks for st in (row.kernel, row.user)]
+    frames = [f for st in stacks for f in st]
+    one: dict[tuple[Frame, ...], tuple[Frame, ...]] = {}
+    assert all(one.setdefault(st, st) is st for st in stacks)  # equal stacks: one tuple
+    assert len(one) < len(stacks) / 2  # (the synthetic snapshots repeat their stacks)
+    assert len({id(f) for f in frames}) == len(set(frames)) < len(frames) / 10
+
+
 def test_plain_and_gzipped_json_output_replays_too(tmp_path: Path,
                                                    snaps: list[Snapshot]) -> None:
     text = "".join(snapshot_json_line(s) for s in snaps)
