@@ -338,5 +338,10 @@ def test_a_process_born_and_gone_within_one_interval_keeps_its_names(workloads: 
     blocks = sum(st.count for st in mine)
     named = sum(st.count for st in mine if [f.name for f in st.user][:2]
                 == ["offtop_wl_sleep", "sleep_thread"])
-    assert blocks == 40, mine
+    # Every block is counted, or its loss is: a block whose end (switch-in) the
+    # kernel ran no probe for is dropped and counted (README, Known limits; CI
+    # saw 39 once, 2026-11-25; machine-wide, 1 such end in a third of 15 runs
+    # here), as test_bpf_e2e's split test allows too.
+    unseen = snap.stats.drops.get("block ends unseen", 0)
+    assert 40 - unseen <= blocks <= 40, (unseen, mine)
     assert named == blocks, mine
