@@ -129,6 +129,8 @@ def _prepare(streams: StdStreams, argv: list[str], cleanup: contextlib.ExitStack
     states = ""
     source: SnapshotSource
     if args.replay:
+        if not args.batch and streams.is_terminal(2):
+            _say_reading(args.replay)
         source, interval, count = _replay_source(args)
         cleanup.callback(source.close)
     else:
@@ -204,6 +206,20 @@ def _run_tui(streams: StdStreams, source: SnapshotSource, interval: float,
     if isinstance(source, TeeSource):
         source.finish()  # a recording or a push gets the unfinished interval too
     return code
+
+
+#: A recording this big takes seconds to check before the TUI can show it.
+READING_NOTICE_BYTES = 4 << 20
+
+
+def _say_reading(path: str) -> None:
+    """One line on the terminal while a big recording is read: every interval is
+    checked first (a busy server's 40 s, 15 MB, took 17 s), and the screen was blank."""
+    with contextlib.suppress(OSError):
+        size = os.stat(path).st_size
+        if size >= READING_NOTICE_BYTES:
+            print(f"offtop: reading {path} ({size / (1 << 20):.0f} MB): every interval is "
+                  "checked first", file=sys.stderr, flush=True)
 
 
 def _replay_source(args: argparse.Namespace) -> tuple[ReplaySource, float, int | None]:

@@ -146,6 +146,42 @@ def test_new_user_session_in_a_real_terminal(workloads: Any) -> None:
         tmux.close()
 
 
+def test_a_big_recording_says_it_is_being_read_before_the_screen_comes(tmp_path: Path) -> None:
+    """Every interval of a recording is checked before the replay shows (a busy
+    server's 40 s took 17 s): the terminal says so meanwhile, once, on stderr;
+    batch mode, read by scripts, says nothing."""
+    from offtop.cli import READING_NOTICE_BYTES
+    from offtop.report import snapshot_json_line
+    from offtop.synthetic import synthetic_snapshots
+
+    path = tmp_path / "big.json"  # --format json output replays too
+    with path.open("w") as f:
+        while f.tell() < READING_NOTICE_BYTES:
+            for snap in synthetic_snapshots(2, tasks=500, stacks=5000, seed=7):
+                f.write(snapshot_json_line(snap))
+    mb = f"{path.stat().st_size / (1 << 20):.0f} MB"
+    batch = subprocess.run([sys.executable, "-m", "offtop.cli", "--replay", str(path), "--batch",
+                            "--count", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True, cwd=ROOT, timeout=120)
+    assert batch.returncode == 0 and batch.stderr == "", batch.stderr
+    tmux = Tmux()
+    tmux.run("set-option", "-t", "t", "window-size", "manual")
+    tmux.run("resize-window", "-t", "t", "-x", "160", "-y", "45")
+    try:
+        tmux.type(f"cd {ROOT} && env -u COLUMNS -u LINES {sys.executable} -m offtop.cli "
+                  f"--replay {path}; echo offtop-exit=$?")
+        assert wait_until(lambda: "source replay" in tmux.screen(), timeout=60), tmux.screen()
+        tmux.run("send-keys", "-t", "t", "q")
+        assert wait_until(lambda: re.search(r"offtop-exit=\d", tmux.screen()) is not None,
+                          timeout=10), tmux.screen()
+        screen = tmux.screen()  # the terminal as the TUI left it
+        assert "offtop-exit=0" in screen, screen
+        assert screen.count(f"offtop: reading {path} ({mb}): every interval is checked first") \
+            == 1, screen
+    finally:
+        tmux.close()
+
+
 def test_a_real_recording_replays_with_its_header_and_steps_back(workloads: Any,
                                                                   tmp_path: Path) -> None:
     """`offtop --batch --record` on a workload with real BPF, then `offtop --replay`
