@@ -146,6 +146,20 @@ def test_new_user_session_in_a_real_terminal(workloads: Any) -> None:
         tmux.close()
 
 
+def _replay_in_tmux(path: Path) -> Tmux:
+    """`offtop --replay path` typed in a 160x45 terminal, then `offtop-exit=STATUS`."""
+    tmux = Tmux()
+    try:
+        tmux.run("set-option", "-t", "t", "window-size", "manual")
+        tmux.run("resize-window", "-t", "t", "-x", "160", "-y", "45")
+        tmux.type(f"cd {ROOT} && env -u COLUMNS -u LINES {sys.executable} -m offtop.cli "
+                  f"--replay {path}; echo offtop-exit=$?")
+    except BaseException:
+        tmux.close()
+        raise
+    return tmux
+
+
 def test_a_big_recording_says_it_is_being_read_before_the_screen_comes(tmp_path: Path) -> None:
     """Every interval of a recording is checked before the replay shows (a busy
     server's 40 s took 17 s): the terminal says so meanwhile, once, on stderr;
@@ -164,12 +178,8 @@ def test_a_big_recording_says_it_is_being_read_before_the_screen_comes(tmp_path:
                             "--count", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            text=True, cwd=ROOT, timeout=120)
     assert batch.returncode == 0 and batch.stderr == "", batch.stderr
-    tmux = Tmux()
-    tmux.run("set-option", "-t", "t", "window-size", "manual")
-    tmux.run("resize-window", "-t", "t", "-x", "160", "-y", "45")
+    tmux = _replay_in_tmux(path)
     try:
-        tmux.type(f"cd {ROOT} && env -u COLUMNS -u LINES {sys.executable} -m offtop.cli "
-                  f"--replay {path}; echo offtop-exit=$?")
         assert wait_until(lambda: "source replay" in tmux.screen(), timeout=60), tmux.screen()
         tmux.run("send-keys", "-t", "t", "q")
         assert wait_until(lambda: re.search(r"offtop-exit=\d", tmux.screen()) is not None,
@@ -198,13 +208,9 @@ def test_a_real_recording_replays_with_its_header_and_steps_back(workloads: Any,
     assert r.returncode == 0, r.stderr
     header = load_recording(path).header
     assert header is not None and header.scope == f"pid {w.pid}"
-    tmux = Tmux()
-    tmux.run("set-option", "-t", "t", "window-size", "manual")
-    tmux.run("resize-window", "-t", "t", "-x", "160", "-y", "45")
+    # Replaying needs no root and no BPF: the workload's pid is in no argument.
+    tmux = _replay_in_tmux(path)
     try:
-        # Replaying needs no root and no BPF: the workload's pid is in no argument.
-        tmux.type(f"cd {ROOT} && env -u COLUMNS -u LINES {sys.executable} -m offtop.cli "
-                  f"--replay {path}; echo offtop-exit=$?")
 
         def at(seq: int) -> bool:
             first = tmux.screen().splitlines()[0]
