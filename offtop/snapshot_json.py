@@ -33,6 +33,7 @@ from offtop.model import (
     Waker,
     WakerRow,
 )
+from offtop.recent import Recent
 
 
 class SnapshotJsonError(ValueError):
@@ -373,12 +374,11 @@ class FrameTable:
     """
 
     def __init__(self, max_stacks: int = 100_000) -> None:
-        self._max = max_stacks
-        self._stacks: dict[tuple[bool, tuple[str, ...], tuple[str, ...]], tuple[Frame, ...]] = {}
-        self._frames: dict[tuple[str, str, bool], Frame] = {}
-
-    def __len__(self) -> int:
-        return len(self._stacks)
+        # Bounded as `Recent` is (emptied when full); never rotated: a recording
+        # is one run, its stacks may come back at any interval.
+        self._stacks: Recent[tuple[bool, tuple[str, ...], tuple[str, ...]],
+                             tuple[Frame, ...]] = Recent(max_stacks)
+        self._frames: Recent[tuple[str, str, bool], Frame] = Recent(max_stacks)
 
     def stack(self, names: Sequence[str], modules: Sequence[str], kernel: bool
               ) -> tuple[Frame, ...]:
@@ -386,23 +386,21 @@ class FrameTable:
         key = (kernel, tuple(names), () if kernel else tuple(modules))
         got = self._stacks.get(key)
         if got is None:
-            if len(self._stacks) >= self._max:
-                self._stacks.clear()
-                self._frames.clear()
             frame = self._frame
             if kernel:
                 got = tuple(frame(n, "kernel", True) for n in names)
             else:
                 got = tuple(frame(n, modules[i] if i < len(modules) else "", False)
                             for i, n in enumerate(names))
-            self._stacks[key] = got
+            self._stacks.put(key, got)
         return got
 
     def _frame(self, name: str, module: str, kernel: bool) -> Frame:
         key = (name, module, kernel)
         f = self._frames.get(key)
         if f is None:
-            f = self._frames[key] = Frame(name=name, module=module, kernel=kernel)
+            f = Frame(name=name, module=module, kernel=kernel)
+            self._frames.put(key, f)
         return f
 
 
