@@ -337,6 +337,23 @@ def test_since_start_sheds_down_to_three_quarters_even_among_equal_totals() -> N
     assert since.dropped_ns == 4 * 5 + 2 * 1 + 5
 
 
+def test_since_start_keeps_summing_a_live_stack_among_heavier_ones_of_threads_gone() -> None:
+    """Process churn fills the totals with stacks of threads gone, each heavier than
+    one interval of a live thread: those are shed first, so a stack in every
+    snapshot keeps its whole total (it was shed at each snapshot, its total
+    never more than two intervals')."""
+    agg, since = Aggregator(), SinceStart(max_entries=8)
+    added = 0
+    for k in range(6):
+        gone = [s(100 + 4 * k + i, 100, pid=100 + 4 * k + i) for i in range(4)]
+        since.add(SnapshotIndex(build(agg, [s(1, 10), *gone])))
+        added += 10 + 4 * 100
+    ranked = since.ranked()
+    assert [(r.offcpu_ns, r.count) for r in ranked if r.tid == 1] == [(60, 6)]
+    assert len(ranked) <= 8 and since.dropped_ns > 0
+    assert sum(r.offcpu_ns for r in ranked) + since.dropped_ns == added
+
+
 def test_since_start_queues_what_is_added_and_a_ranking_sums_it_first() -> None:
     agg, since = Aggregator(), SinceStart()
     since.add(SnapshotIndex(build(agg, [s(11, 100)])))
