@@ -14,6 +14,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from importlib import resources
@@ -917,26 +918,39 @@ def test_bcc_sees_only_bpf_symbols_and_compiles_the_same(bpf_available: None) ->
 
 
 @pytest.mark.bpf
-def test_setup_compiles_what_a_start_with_no_options_loads(bpf_available: None,
-                                                          tmp_path: Path) -> None:
-    """`make setup` (loader.precompile) fills the cache with the program `offtop` loads
-    when given no option: its first start is a hit; other options still compile."""
-    from offtop.bpf.loader.precompile import default_config, precompile
+def test_setup_compiles_what_starts_with_no_option_with_p_and_with_c_load(
+        bpf_available: None, tmp_path: Path) -> None:
+    """`make setup` (loader.precompile) fills the cache with the programs `offtop`,
+    `offtop -p/-t` and `offtop -c` load, whatever pids or cgroup they name: their
+    first starts are hits; other options still compile."""
+    from offtop.bpf.loader.precompile import SETUP_ARGS, config_of, default_config, precompile
+    from offtop.cgroups import cgroup2_mounts
 
     cache = ArtifactCache(tmp_path / "offtop")
-    said = precompile(default_config(), cache)
-    assert said.startswith("compiled offtop's BPF program into")
-    assert precompile(default_config(), cache) == ""  # quiet once it is there
+    configs = [config_of(argv) for argv in SETUP_ARGS]
+    assert None not in configs  # this machine has a cgroup v2 mount
+    for argv, cfg in zip(SETUP_ARGS, configs, strict=True):
+        assert cfg is not None
+        said = precompile(cfg, cache)
+        assert said.startswith("compiled offtop's BPF program into"), (argv, said)
+        assert precompile(cfg, cache) == ""  # quiet once it is there
     from offtop.bpf.probe import Probe
     from offtop.cli_args import build_parser, config_from_args
 
-    batch = config_from_args(build_parser().parse_args(["--batch", "--format", "json"]))[0]
-    assert batch.cflags() == default_config().cflags()  # the bench's start is such a start
-    comp = CountingCompiler()
-    q = Probe(default_config(), cache=cache, compile=comp)
-    q.load(1_000_000)
-    q.close()
-    assert comp.calls == 0 and q.report.how == "cache hit", q.report
+    def config(*argv: str) -> EngineConfig:
+        return config_from_args(build_parser().parse_args(list(argv)))[0]
+
+    assert config("--batch", "--format", "json").cflags() == default_config().cflags()
+    root = cgroup2_mounts()[0]
+    cgroup = next((p for p in sorted(root.iterdir()) if (p / "cgroup.procs").exists()), root)
+    starts = [(), ("--batch", "--format", "json"), ("-p", "1"), ("-p", f"1,{os.getpid()}"),
+              ("-t", str(threading.get_native_id())), ("-c", str(cgroup))]
+    for argv in starts:
+        comp = CountingCompiler()
+        q = Probe(config(*argv), cache=cache, compile=comp)
+        q.load(1_000_000)
+        q.close()
+        assert comp.calls == 0 and q.report.how == "cache hit", (argv, q.report)
     r = _probe(cache, comp, wakers=False)
     r.close()
     assert comp.calls == 1 and r.report.how == "compiled"
