@@ -33,6 +33,7 @@ from offtop.model import (
     Frame,
     LongBlock,
     RowKey,
+    SinceStart,
     Snapshot,
     SnapshotIndex,
     StackRow,
@@ -40,7 +41,7 @@ from offtop.model import (
 )
 from offtop.source import ReplaySource, SourceInfo
 from offtop.synthetic import synthetic_snapshots
-from offtop.units import MAX_THRESHOLD_NS
+from offtop.units import MAX_THRESHOLD_NS, format_ns
 from offtop.widgets.blocked_now import BlockedNowTable
 from offtop.widgets.callchain_tree import CallchainTree, merge_stacks
 from offtop.widgets.choice_screen import ChoiceScreen
@@ -675,10 +676,31 @@ async def test_since_start_sums_the_stacks_of_every_snapshot() -> None:
                     and "summing" not in subtitle(pane(app)), "the since-start totals")
         total = sum(s.offcpu_ns for snap in SNAPS[:3] for s in snap.stacks_of(tid))
         assert sum(s.offcpu_ns for s in shown_stacks(app)) == total
+        assert "not kept" not in subtitle(pane(app))  # nothing was past the bound
         await pilot.press("c")
         await pilot.pause()
         assert sum(s.offcpu_ns for s in shown_stacks(app)) == sum(
             s.offcpu_ns for s in SNAPS[2].stacks_of(tid))
+
+
+async def test_the_since_start_view_says_what_its_bound_did_not_keep() -> None:
+    """Past its bound the since-start totals drop their lightest stacks; the view
+    says how much time those held, so what is shown plus that is every block."""
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    app.pump.since_start = SinceStart(max_entries=100)  # SNAPS have 200 stacks each
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        for snap in SNAPS[1:3]:
+            app.publish(snap)
+            await shown(pilot, app, seq=snap.seq)
+        await pilot.press("a", "c")
+        await until(pilot, lambda: "since start" in title(pane(app))
+                    and "summing" not in subtitle(pane(app)), "the since-start totals")
+        dropped = app.pump.since_start.dropped_ns
+        assert dropped > 0
+        assert f"{format_ns(dropped)} in lighter stacks not kept" in subtitle(pane(app))
+        total = sum(s.offcpu_ns for snap in SNAPS[:3] for s in snap.stacks)
+        assert sum(s.offcpu_ns for s in shown_stacks(app)) + dropped == total
 
 
 async def test_the_since_start_sum_waits_until_its_snapshot_is_shown() -> None:

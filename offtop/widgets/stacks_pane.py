@@ -334,6 +334,10 @@ class StacksPane(ContentSwitcher):
         if self.cumulative:
             since = "" if self.scopes.since is not None else " (summing…)"
             t.append(f" · since start{since}", style="bold")
+            dropped = self.since_start.dropped_ns
+            if dropped:  # the totals' bound: said, never silent
+                t.append(f" · {format_ns(dropped)} in lighter stacks not kept (all tasks)",
+                         style="italic #e0c050")
         return t
 
     def _refresh_tree(self, focus: Path | None) -> None:
