@@ -33,7 +33,7 @@ def test_full_passes_at_the_pace_given_and_python_s_own_stopped() -> None:
     assert not p.active and not p.overdue()
     p.full_pass()  # the first: freezes what is alive, stops Python's own full passes
     assert p.active and gc.get_freeze_count() > 0
-    assert gc.get_threshold() == (before[0], before[1], GcPacing.NO_FULL_GC)
+    assert gc.get_threshold() == (before[0], GcPacing.YOUNG_PASSES, GcPacing.NO_FULL_GC)
     now[0] = 9.9
     assert not p.overdue()
     now[0] = 10.0
@@ -103,3 +103,50 @@ def test_batch_runs_the_full_passes_itself_and_gives_them_back() -> None:
     assert all(t[2] == GcPacing.NO_FULL_GC for t in src.thresholds[1:]), src.thresholds
     assert [n for n in full if n >= 1] == [1], full
     assert gc.get_threshold() == before
+
+
+class _Cycle:
+    """A drawn line's shape (textual.strip.Strip caches itself once divided): a
+    reference cycle that only the cyclic GC frees."""
+
+    def __init__(self) -> None:
+        self.me = [self]
+
+
+def _full_pass_garbage(burst: int, alive_across: int) -> int:
+    """Make `burst` cycles, allocate `alive_across` lists while they live (a
+    redraw's work), drop them; return what the next full pass collects."""
+    collected: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            collected.append(info["collected"])
+
+    lines = [_Cycle() for _ in range(burst)]
+    work = [[i] for i in range(alive_across)]
+    del lines, work
+    for _ in range(20):  # the redraws and ticks until the full pass
+        work = [[i] for i in range(alive_across)]
+        del work
+    gc.callbacks.append(count)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(count)
+    return collected[0]
+
+
+def test_a_redraw_s_cycles_die_young_once_the_passes_are_the_loop_s() -> None:
+    p = GcPacing()
+    # Python's own young thresholds, its full passes off (as the loops had
+    # them before): a redraw's lines outlive a middle pass, are promoted and
+    # wait, dead, for the full pass (most of its time).
+    gen0, gen1, _ = gc.get_threshold()
+    gc.set_threshold(gen0, gen1, GcPacing.NO_FULL_GC)
+    gc.collect()
+    assert _full_pass_garbage(5_000, 20_000) >= 4_000
+    p.full_pass()
+    try:
+        assert _full_pass_garbage(5_000, 20_000) <= 500
+    finally:
+        p.restore()
