@@ -448,8 +448,11 @@ class _FrameTupleNumbers:
         self._by_frames: dict[tuple[Frame, ...], int] = {}
         self._next = 0
 
-    def start(self) -> Callable[[tuple[Frame, ...]], int]:
-        """Begin a build: the function that numbers its tuples."""
+    def start(self) -> tuple[Callable[[int], int | None], Callable[[tuple[Frame, ...]], int]]:
+        """Begin a build: (the number of a tuple seen before, by its `id` alone, else
+        None; the function that numbers any tuple). The first is a dict's own
+        `get`: most tuples of a build were seen before, and a Python call each
+        was a tenth of the build."""
         if len(self._by_id) > self._max or len(self._by_frames) > self._max:
             self._by_id, self._held, self._by_frames = {}, [], {}
         by_id, hold, by_frames = self._by_id, self._held.append, self._by_frames
@@ -466,7 +469,7 @@ class _FrameTupleNumbers:
             hold(frames)
             return n
 
-        return number
+        return by_id.get, number
 
 
 @dataclass(slots=True)
@@ -559,7 +562,7 @@ class Aggregator:
         # numbers, not frame tuples, since hashing a tuple hashes every frame
         # in it, every time.
         stacks: dict[tuple[int, str, bool, int, int], list[Any]] = {}
-        number = self._chains.start()
+        seen, number = self._chains.start()
 
         for (pid, tid, comm, state, ns, count, max_ns, kernel, user, from_event, start,
              before, waker) in samples:
@@ -578,7 +581,13 @@ class Aggregator:
                 acc.events += count
             if comm:
                 acc.comm = comm
-            skey = (tid, state, before, number(kernel), number(user))
+            nk = seen(id(kernel))
+            if nk is None:
+                nk = number(kernel)
+            nu = seen(id(user))
+            if nu is None:
+                nu = number(user)
+            skey = (tid, state, before, nk, nu)
             cur = stacks.get(skey)
             if cur is None:
                 # offcpu_ns, count, max_ns, pid, comm, kernel, user, {waker: [ns, count]}
@@ -628,11 +637,11 @@ class Aggregator:
             cut = heapq.nlargest(keep, [v[0] for v in stacks.values()])[-1] if keep > 0 else -1
             items = [kv for kv in stacks.items() if kv[1][0] >= cut]
         ranked = sorted(items, key=lambda kv: (-kv[1][0], kv[0][0], kv[0][1]))
-        stack_rows = tuple(
+        stack_rows = tuple([
             StackRow(v[3], k[0], v[4], k[1], v[0], v[1], v[2], v[5], v[6], k[2],
-                     _waker_rows(v[7]))
+                     _waker_rows(v[7]) if v[7] else ())
             for k, v in ranked[:keep]
-        )
+        ])
         return Snapshot(
             seq=seq,
             time=time,
