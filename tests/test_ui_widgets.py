@@ -34,7 +34,14 @@ from offtop.widgets.choice_screen import ChoiceScreen
 from offtop.widgets.flame_graph import KERNEL, PYTHON, USER, FlameTree
 from offtop.widgets.header import OfftopHeader, problems_text
 from offtop.widgets.key_bar import KeyBar
-from offtop.widgets.line_table import Column, KeyedRow, KeyedRows, LineTable, layout_columns
+from offtop.widgets.line_table import (
+    Column,
+    KeyedRow,
+    KeyedRows,
+    LineTable,
+    StylePool,
+    layout_columns,
+)
 from offtop.widgets.long_blocks_log import LongBlocksLog
 from offtop.widgets.render import (
     KERNEL_STYLE,
@@ -766,3 +773,30 @@ def test_python_frames_are_a_kind_of_their_own_in_the_flame_graph() -> None:
     tree = FlameTree([py])
     kinds = {tree.name(n): tree.kind(n) for n in range(1, len(tree))}
     assert kinds == {"py:Queue.get (queue.py:171)": PYTHON, "read": USER, "schedule": KERNEL}
+
+
+def test_a_style_pool_packs_segments_into_tuples_the_gc_lets_go() -> None:
+    """A table's caches hold their lines packed: plain tuples, untracked by the
+    cyclic GC once it has seen them, given back as the same segments."""
+    import gc
+
+    from rich.segment import ControlType, Segment
+    from rich.style import Style
+
+    pool = StylePool()
+    red, bold = Style(color="red"), Style(bold=True)
+    control = Segment("", None, [(ControlType.BELL,)])
+    segments = [Segment("a", red), Segment(" b", None), Segment("c", red), Segment("[d]", bold)]
+    packed = pool.pack(segments)
+    gc.collect()  # untracks the (text, number) pairs; the next pass, what holds them
+    gc.collect()
+    assert not gc.is_tracked(packed) and not any(gc.is_tracked(p) for p in packed)
+    assert pool.unpack(packed) == segments
+    # A control segment is kept as it is (rare: cells are made printable).
+    assert pool.unpack(pool.pack([control, *segments])) == [control, *segments]
+    assert not pool.full
+    many = StylePool(max_styles=3)
+    many.pack([Segment(str(i), Style(color=f"color({i})")) for i in range(4)])
+    assert many.full
+    many.clear()
+    assert not many.full and many.unpack(many.pack(segments)) == segments

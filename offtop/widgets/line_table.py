@@ -13,6 +13,14 @@ tick that changes five visible rows refreshes and draws those five rows'
 lines; a re-sort or a scroll re-uses the strips of rows that did not change.
 A sync of thousands of rows costs a comparison of their raw tuples.
 
+The caches hold lines and cells as plain `(text, style number)` tuples
+(`StylePool`), not as Strips and Segments: a Strip is ~15 objects the
+cyclic GC tracks (its seven caches), a Segment holds a Style, so each is
+walked by every full GC pass, and the caches were most of what the TUI
+holds (~85,000 objects at 2,000 tasks / 20,000 stacks). Tuples of strings
+and ints are untracked by the GC once it has seen them. A line is made a
+Strip again when drawn (a few microseconds).
+
 The cursor behaves as htop's: across refreshes and re-sorts it stays at its
 row *position* (the row under it may change), unless `follow` is set, when
 it stays on the same row key. `move_to_key` moves it explicitly.
@@ -52,6 +60,62 @@ KeyedRow = tuple[KeyT, tuple[Hashable, ...]]
 
 #: The lines of one rendered cell, each exactly as wide as its column.
 CellLines = tuple[tuple[Segment, ...], ...]
+
+#: Segments as a cache holds them (`StylePool.pack`): plain `(text, style
+#: number)` tuples, a Segment itself only for a control segment.
+Packed = tuple["tuple[str, int] | Segment", ...]
+
+
+class StylePool:
+    """Numbers the styles of cached segments, so that a cache holds plain
+    tuples the cyclic GC stops tracking (see the module docstring).
+
+    Bounded: past `max_styles` the pool says so (`full`) and the caller
+    empties it with the caches whose numbers it gave.
+    """
+
+    def __init__(self, max_styles: int = 4096) -> None:
+        self._max = max_styles
+        self._numbers: dict[Style | None, int] = {None: 0}
+        self._styles: list[Style | None] = [None]
+
+    @property
+    def full(self) -> bool:
+        """More styles than `max_styles` were numbered."""
+        return len(self._styles) > self._max
+
+    def clear(self) -> None:
+        """Forget every number (the caches holding them must be emptied too)."""
+        self._numbers = {None: 0}
+        self._styles = [None]
+
+    def pack(self, segments: Iterable[Segment]) -> Packed:
+        """`segments` as plain tuples."""
+        numbers, styles = self._numbers, self._styles
+        out: list[tuple[str, int] | Segment] = []
+        for seg in segments:
+            text, style, control = seg
+            if control:
+                out.append(seg)
+                continue
+            n = numbers.get(style)
+            if n is None:
+                n = numbers[style] = len(styles)
+                styles.append(style)
+            out.append((text, n))
+        return tuple(out)
+
+    def unpack(self, packed: Packed) -> list[Segment]:
+        """The segments `pack` was given."""
+        styles = self._styles
+        out: list[Segment] = []
+        for p in packed:
+            if isinstance(p, Segment):  # a control segment, kept as it was
+                out.append(p)
+            else:
+                text, n = p
+                out.append(Segment(text, styles[n]))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,8 +424,10 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
         # cursor" was, even while the rows are being replaced.
         self._highlighted: KeyT | None = None
         self._layouts: dict[int, ColumnLayout] = {}
-        self._cells: LRUCache[tuple[object, ...], CellLines] = LRUCache(4096)
-        self._lines: LRUCache[tuple[object, ...], Strip] = LRUCache(1024)
+        # Both hold packed segments (`StylePool`): lines with their cell length.
+        self._styles = StylePool()
+        self._cells: LRUCache[tuple[object, ...], tuple[Packed, ...]] = LRUCache(4096)
+        self._lines: LRUCache[tuple[object, ...], tuple[Packed, int]] = LRUCache(1024)
         self._pass: _Pass | None = None
 
     # --- columns ----------------------------------------------------------
@@ -719,23 +785,22 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
             style = state.base
         cache_key = (key, rows.version(key), sub, state.layout.widths, self._generation,
                      style, state.scroll_x, state.width)
-        strip = self._lines.get(cache_key)
-        if strip is None:
+        line = self._lines.get(cache_key)
+        if line is None:
             self.lines_rendered += 1
             cells = [
                 self._cell(column.key, value, width)[sub]
                 for column, value, width in zip(self._table_columns, rows.values(key),
                                                 state.layout.widths, strict=True)
             ]
-            strip = self._strip(cells, style, state)
-            self._lines.set(cache_key, strip)
-        return strip
+            return self._keep_line(cache_key, self._strip(cells, style, state))
+        return Strip(self._styles.unpack(line[0]), line[1])
 
     def _header_line(self, state: _Pass) -> Strip:
         cache_key = ("\0header", self._generation, state.layout.widths, state.header,
                      state.scroll_x, state.width)
-        strip = self._lines.get(cache_key)
-        if strip is None:
+        line = self._lines.get(cache_key)
+        if line is None:
             # Labels are cropped, not ellipsized: a sort mark that does not fit
             # is dropped rather than the label's last letter.
             cells = [
@@ -743,8 +808,17 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
                            else c.label, w, 1, self.app.console)[0]
                 for c, w in zip(self._table_columns, state.layout.widths, strict=True)
             ]
-            strip = self._strip(cells, _LineStyle(state.header), state)
-            self._lines.set(cache_key, strip)
+            return self._keep_line(cache_key, self._strip(cells, _LineStyle(state.header), state))
+        return Strip(self._styles.unpack(line[0]), line[1])
+
+    def _keep_line(self, cache_key: tuple[object, ...], strip: Strip) -> Strip:
+        """Cache `strip` packed (see the module docstring); return it."""
+        pool = self._styles
+        if pool.full:  # numbers given out are in both caches
+            pool.clear()
+            self._lines.clear()
+            self._cells.clear()
+        self._lines.set(cache_key, (pool.pack(strip), strip.cell_length))
         return strip
 
     def _strip(self, cells: Iterable[tuple[Segment, ...]], style: _LineStyle,
@@ -769,9 +843,13 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
     def _cell(self, column: str, value: Hashable, width: int) -> CellLines:
         """A cell's lines at `width`, cached by its column and value."""
         cache_key = (column, type(value), value, width, self._generation)
-        lines = self._cells.get(cache_key)
-        if lines is None:
+        packed = self._cells.get(cache_key)
+        if packed is None:
             lines = cell_lines(self.render_cell(column, value), width, self.ROW_HEIGHT,
                                self.app.console)
-            self._cells.set(cache_key, lines)
-        return lines
+            pool = self._styles
+            if not pool.full:  # else the next line kept empties the pool first
+                self._cells.set(cache_key, tuple(pool.pack(line) for line in lines))
+            return lines
+        unpack = self._styles.unpack
+        return tuple(tuple(unpack(line)) for line in packed)
