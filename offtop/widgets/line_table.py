@@ -789,7 +789,7 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
         if line is None:
             self.lines_rendered += 1
             cells = [
-                self._cell(column.key, value, width)[sub]
+                self._cell_line(column.key, value, width, sub)
                 for column, value, width in zip(self._table_columns, rows.values(key),
                                                 state.layout.widths, strict=True)
             ]
@@ -840,8 +840,10 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
             return Strip(styled, width)
         return Strip(styled, total).crop_extend(scroll_x, scroll_x + width, fill)
 
-    def _cell(self, column: str, value: Hashable, width: int) -> CellLines:
-        """A cell's lines at `width`, cached by its column and value."""
+    def _cell_line(self, column: str, value: Hashable, width: int, sub: int
+                   ) -> tuple[Segment, ...]:
+        """Line `sub` of a cell at `width`; the cell's lines are cached by its column
+        and value (a row's other lines ask for the same cell)."""
         cache_key = (column, type(value), value, width, self._generation)
         packed = self._cells.get(cache_key)
         if packed is None:
@@ -850,6 +852,5 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
             pool = self._styles
             if not pool.full:  # else the next line kept empties the pool first
                 self._cells.set(cache_key, tuple(pool.pack(line) for line in lines))
-            return lines
-        unpack = self._styles.unpack
-        return tuple(tuple(unpack(line)) for line in packed)
+            return lines[sub]
+        return tuple(self._styles.unpack(packed[sub]))
