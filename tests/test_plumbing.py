@@ -664,13 +664,26 @@ def test_batch_ends_with_status_3_once_nothing_is_left_to_watch(bpf_available: N
 @pytest.mark.parametrize("fmt", ["json", "folded"])
 def test_a_notice_goes_to_stderr_while_the_run_goes_on(bpf_available: None, workloads: Any,
                                                        fmt: str) -> None:
-    """Of two processes, one exits: said on stderr (json and folded have no room for it)."""
-    short = workloads("sleep", "100", "5")
-    reap(short)
+    """Of two processes, one exits: said on stderr (json and folded have no room for it).
+
+    The one that exits is ended once offtop's first interval is out: a process
+    that lived a fixed half second was gone before a slow start checked the
+    pids ("no such pid", as it should say for a pid gone at the start)."""
+    short = workloads("sleep", "100")  # ~10 s of sleeps: ended below
     long = workloads("sleep", "100")
-    r = subprocess.run([*OFFTOP, "--batch", "--format", fmt, "--interval", "0.5", "--count", "5",
-                        "-p", f"{short.pid},{long.pid}"], capture_output=True, text=True,
-                       timeout=60, cwd=ROOT)
+    off = subprocess.Popen([*OFFTOP, "--batch", "--format", fmt, "--interval", "0.5", "--count",
+                            "5", "-p", f"{short.pid},{long.pid}"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert off.stdout is not None
+        first = off.stdout.readline()  # both are watched now
+        short.stop()
+        rest, err = off.communicate(timeout=60)
+    finally:
+        if off.poll() is None:
+            off.kill()
+            off.wait(timeout=5)
+    r = subprocess.CompletedProcess(off.args, off.returncode, first + rest, err)
     assert r.returncode == 0, r.stderr
     assert r.stderr.splitlines() == [f"offtop: pid {short.pid} exited"], r.stderr
     if fmt == "json":
