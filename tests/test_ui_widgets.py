@@ -224,6 +224,46 @@ async def test_line_table_redraws_only_the_rows_that_changed() -> None:
         assert table.cells_rendered == cells
 
 
+async def test_rows_that_swap_places_redraw_those_two_rows_not_the_table() -> None:
+    app = TableApp(NumberTable())
+    async with app.run_test(size=(40, 50)) as pilot:
+        table = app.table
+        assert isinstance(table, NumberTable)
+        rows = [(f"k{i}", (f"n{i}", i)) for i in range(40)]
+        table.sync_rows(rows)
+        await pilot.pause()
+        # A tick where two tasks trade places (top's most common change).
+        rows[5], rows[6] = rows[6], rows[5]
+        table.drawn.clear()
+        table.sync_rows(rows)
+        await pilot.pause()
+        assert sorted(set(table.drawn)) == [6, 7]
+        assert screen_lines(table)[6:8] == [" n6        6", " n5        5"]
+        # Rows gone from the end: their lines are drawn blank; the rest stay.
+        table.drawn.clear()
+        table.sync_rows(rows[:38])
+        await pilot.pause()
+        assert sorted(set(table.drawn)) == [39, 40]
+        assert not any(screen_lines(table)[39:41])
+    # Scrolled down, rows in view that move are redrawn where they are seen.
+    app = TableApp(NumberTable())
+    async with app.run_test(size=(40, 12)) as pilot:
+        small = app.table
+        assert isinstance(small, NumberTable)
+        rows = [(f"r{i}", (f"r{i}", i)) for i in range(100)]
+        small.sync_rows(rows)
+        await pilot.pause()
+        small.scroll_to(y=50, animate=False)
+        await pilot.pause()
+        top = small.scroll_offset.y
+        rows[top + 2], rows[top + 3] = rows[top + 3], rows[top + 2]
+        small.drawn.clear()
+        small.sync_rows(rows)
+        await pilot.pause()
+        assert sorted(set(small.drawn)) == [3, 4]
+        assert screen_lines(small)[3].split() == [f"r{top + 3}", str(top + 3)]
+
+
 async def test_a_line_table_scrolls_further_or_less_without_laying_the_screen_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
     table = NumberTable()

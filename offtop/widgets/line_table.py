@@ -497,18 +497,33 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
 
         Keys must be unique (ValueError otherwise).
         """
+        old_keys = self._rows.keys
         reordered, changed = self._rows.sync(rows)
         self._update_virtual_size()
         before = self._cursor
         self._place_cursor()
-        if reordered or self._cursor != before:
-            self.refresh()
-        else:
-            for key in changed:
-                index = self._rows.index(key)
-                if index is not None:
-                    self._refresh_row(index)
+        if self._cursor != before:
+            self._refresh_row(before)
+            self._refresh_row(self._cursor)
+        if reordered:
+            # Only the positions in view that show another row now: two rows
+            # that swap places redraw two rows, not the table (and a whole
+            # pane's redraw is most of what a refresh of the screen costs).
+            keys = self._rows.keys
+            for i in self._rows_in_view(max(len(keys), len(old_keys))):
+                if i >= len(keys) or i >= len(old_keys) or keys[i] != old_keys[i]:
+                    self._refresh_row(i)
+        for key in changed:
+            index = self._rows.index(key)
+            if index is not None:
+                self._refresh_row(index)
         self._announce(moved=False)
+
+    def _rows_in_view(self, count: int) -> range:
+        """The positions of the rows (of `count`) whose lines are in view."""
+        first = self.scroll_offset.y // self.ROW_HEIGHT
+        shown = -(-max(0, self.size.height - self._header_height) // self.ROW_HEIGHT) + 1
+        return range(first, min(count, first + shown))
 
     def _place_cursor(self) -> None:
         """After a sync: the same key if following it, else the same position."""
