@@ -509,9 +509,15 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
             # Only the positions in view that show another row now: two rows
             # that swap places redraw two rows, not the table (and a whole
             # pane's redraw is most of what a refresh of the screen costs).
+            # Most of them moved: one refresh of the whole, as cheap to draw.
             keys = self._rows.keys
-            for i in self._rows_in_view(max(len(keys), len(old_keys))):
-                if i >= len(keys) or i >= len(old_keys) or keys[i] != old_keys[i]:
+            in_view = self._rows_in_view(max(len(keys), len(old_keys)))
+            moved = [i for i in in_view
+                     if i >= len(keys) or i >= len(old_keys) or keys[i] != old_keys[i]]
+            if len(moved) * 2 > len(in_view):
+                self.refresh()
+            else:
+                for i in moved:
                     self._refresh_row(i)
         for key in changed:
             index = self._rows.index(key)
