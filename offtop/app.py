@@ -282,6 +282,15 @@ class OfftopApp(App[int]):
             if self.loading:
                 self.loading = False
             self.behind = self.stalled_s = 0
+            table = self.query_one_optional(TaskTable)
+            pane = self.query_one_optional(StacksPane)
+            if table is not None and pane is not None:
+                # The table first: a re-sort may bring another task under its
+                # cursor, whose stacks the pane then shows in this same update,
+                # not drawn once for the task before and again when the
+                # table's message comes (two screen updates a second).
+                table.index = index
+                pane.preselect(table.cursor_key)
             self.index = index
             self.arrived = taken
             if taken.notices:

@@ -400,6 +400,31 @@ async def test_cursor_across_a_resort_keeps_its_position_or_follows(follow: bool
         assert {s.tid for s in shown_stacks(app)} == {cursor.id}
 
 
+async def test_a_resort_that_brings_another_task_under_the_cursor_draws_its_stacks_once(
+        ) -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        table = app.query_one(TaskTable)
+        first = [t.key for t in SNAPS[0].tasks]
+        second = [t.key for t in SNAPS[1].tasks]
+        row = next(i for i in range(len(first)) if first[i] != second[i])
+        table.move_cursor(row)
+        await pilot.pause()
+        stacks_pane = pane(app)
+        drawn: list[object] = []
+        draw = stacks_pane._refresh_table
+        stacks_pane._refresh_table = lambda: (drawn.append(stacks_pane.selected), draw())[1]
+        app.publish(SNAPS[1])
+        await shown(pilot, app, seq=2)
+        await pilot.pause()
+        # Drawn once, for the task the re-sort brought under the cursor; not
+        # first for the one that was there and again when the table said so.
+        assert table.cursor_key == second[row]
+        assert drawn == [second[row]]
+        assert {s.tid for s in shown_stacks(app)} == {second[row].id}
+
+
 async def test_a_followed_task_stays_listed_while_idle() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:

@@ -170,6 +170,12 @@ class StacksPane(ContentSwitcher):
             self.opened = Scope.task(key)
         self._refresh()
 
+    def preselect(self, key: RowKey | None) -> None:
+        """`select(key, moved=False)` just before a new index, which draws the pane:
+        it is drawn once, for the task selected (the task table's message that
+        follows finds it selected already)."""
+        self.selected = key
+
     def open(self, scope: Scope, *, view: View = "tree", focus: Path | None = None) -> None:
         """Open the tree (or the flame graph) of `scope`, the cursor on `focus`."""
         self.opened = scope
