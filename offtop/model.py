@@ -967,7 +967,9 @@ class SnapshotIndex:
 
     def __init__(self, snapshot: Snapshot, catalog: ChainCatalog | None = None) -> None:
         self.snapshot = snapshot
-        self.catalog = catalog or ChainCatalog()
+        # Not `catalog or ...`: an empty catalog is falsy (it has a length), and the
+        # first index would then keep a catalog of its own, and every later one.
+        self.catalog = catalog if catalog is not None else ChainCatalog()
         rows: dict[RowKey, TaskRow | ProcessRow] = {t.key: t for t in snapshot.tasks}
         rows.update((p.key, p) for p in snapshot.processes)
         self.rows: Mapping[RowKey, TaskRow | ProcessRow] = rows

@@ -372,3 +372,11 @@ def test_since_start_queues_what_is_added_and_a_ranking_sums_it_first() -> None:
     since.add(SnapshotIndex(build(agg, [s(13, 7)])))
     since.clear()
     assert since.pending == 0 and since.ranked() == ()
+
+
+def test_an_index_shares_the_catalog_it_is_given_even_an_empty_one() -> None:
+    # An empty catalog is falsy (it has a length): the first snapshot's index
+    # must still fill the shared one, or no later index finds anything kept.
+    catalog = ChainCatalog()
+    snap = Snapshot(seq=1, time=0.0, interval_s=1.0, threshold_ns=0)
+    assert SnapshotIndex(snap, catalog).catalog is catalog
