@@ -7,6 +7,7 @@ import dataclasses
 import random
 from collections.abc import Hashable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.text import Text
@@ -195,14 +196,21 @@ async def test_line_table_shows_the_rows_it_is_given() -> None:
             table.sync_rows([("a", ("a", 1)), ("a", ("a", 2))])
 
 
+async def number_table(app: TableApp, pilot: Any, count: int
+                       ) -> tuple[NumberTable, list[tuple[str, tuple[str, int]]]]:
+    """The app's NumberTable showing `count` rows (key kI, name nI, value I), drawn."""
+    table = app.table
+    assert isinstance(table, NumberTable)
+    rows = [(f"k{i}", (f"n{i}", i)) for i in range(count)]
+    table.sync_rows(rows)
+    await pilot.pause()
+    return table, rows
+
+
 async def test_line_table_redraws_only_the_rows_that_changed() -> None:
     app = TableApp(NumberTable())
     async with app.run_test(size=(40, 50)) as pilot:
-        table = app.table
-        assert isinstance(table, NumberTable)
-        rows = [(f"k{i}", (f"n{i}", i)) for i in range(40)]
-        table.sync_rows(rows)
-        await pilot.pause()
+        table, rows = await number_table(app, pilot, 40)
         table.drawn.clear()
         lines, cells = table.lines_rendered, table.cells_rendered
         # A tick that changes 3 rows, in place: 3 lines and 3 cells drawn.
@@ -227,11 +235,7 @@ async def test_line_table_redraws_only_the_rows_that_changed() -> None:
 async def test_rows_that_swap_places_redraw_those_two_rows_not_the_table() -> None:
     app = TableApp(NumberTable())
     async with app.run_test(size=(40, 50)) as pilot:
-        table = app.table
-        assert isinstance(table, NumberTable)
-        rows = [(f"k{i}", (f"n{i}", i)) for i in range(40)]
-        table.sync_rows(rows)
-        await pilot.pause()
+        table, rows = await number_table(app, pilot, 40)
         # A tick where two tasks trade places (top's most common change).
         rows[5], rows[6] = rows[6], rows[5]
         table.drawn.clear()
