@@ -252,11 +252,7 @@ async def test_rows_that_swap_places_redraw_those_two_rows_not_the_table() -> No
     # Scrolled down, rows in view that move are redrawn where they are seen.
     app = TableApp(NumberTable())
     async with app.run_test(size=(40, 12)) as pilot:
-        small = app.table
-        assert isinstance(small, NumberTable)
-        rows = [(f"r{i}", (f"r{i}", i)) for i in range(100)]
-        small.sync_rows(rows)
-        await pilot.pause()
+        small, rows = await number_table(app, pilot, 100)
         small.scroll_to(y=50, animate=False)
         await pilot.pause()
         top = small.scroll_offset.y
@@ -265,7 +261,7 @@ async def test_rows_that_swap_places_redraw_those_two_rows_not_the_table() -> No
         small.sync_rows(rows)
         await pilot.pause()
         assert sorted(set(small.drawn)) == [3, 4]
-        assert screen_lines(small)[3].split() == [f"r{top + 3}", str(top + 3)]
+        assert screen_lines(small)[3].split() == [f"n{top + 3}", str(top + 3)]
 
 
 async def test_a_line_table_scrolls_further_or_less_without_laying_the_screen_out(

@@ -502,33 +502,36 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
         self._update_virtual_size()
         before = self._cursor
         self._place_cursor()
-        if self._cursor != before:
-            self._refresh_row(before)
-            self._refresh_row(self._cursor)
+        self._refresh_synced(old_keys, reordered, changed, before)
+        self._announce(moved=False)
+
+    def _refresh_synced(self, old_keys: list[KeyT], reordered: bool, changed: list[KeyT],
+                        cursor_before: int) -> None:
+        """Redraw what a sync changed: the rows whose values changed, the cursor's
+        old and new rows, and after a re-sort only the positions in view that
+        show another row now (two rows that swap places redraw two rows, not
+        the table: a whole pane's redraw is most of what a screen update
+        costs). When most positions in view moved, the table is redrawn
+        whole, once, and nothing row by row."""
+        rows = [cursor_before, self._cursor] if self._cursor != cursor_before else []
         if reordered:
-            # Only the positions in view that show another row now: two rows
-            # that swap places redraw two rows, not the table (and a whole
-            # pane's redraw is most of what a refresh of the screen costs).
-            # Most of them moved: one refresh of the whole, as cheap to draw.
             keys = self._rows.keys
             in_view = self._rows_in_view(max(len(keys), len(old_keys)))
             moved = [i for i in in_view
                      if i >= len(keys) or i >= len(old_keys) or keys[i] != old_keys[i]]
             if len(moved) * 2 > len(in_view):
                 self.refresh()
-            else:
-                for i in moved:
-                    self._refresh_row(i)
-        for key in changed:
-            index = self._rows.index(key)
-            if index is not None:
-                self._refresh_row(index)
-        self._announce(moved=False)
+                return
+            rows += moved
+        index = self._rows.index
+        rows += [i for i in map(index, changed) if i is not None]
+        for i in rows:
+            self._refresh_row(i)
 
     def _rows_in_view(self, count: int) -> range:
         """The positions of the rows (of `count`) whose lines are in view."""
         first = self.scroll_offset.y // self.ROW_HEIGHT
-        shown = -(-max(0, self.size.height - self._header_height) // self.ROW_HEIGHT) + 1
+        shown = -(-max(0, self._body_height()) // self.ROW_HEIGHT) + 1
         return range(first, min(count, first + shown))
 
     def _place_cursor(self) -> None:
