@@ -245,6 +245,23 @@ async def bench(runs: int, tasks: int, stacks: int) -> tuple[Results, Results]:
             results["flame tree (worker thread)"] = flame_ms
             cpu["flame tree (worker thread)"] = flame_ms
 
+        try:
+            from offtop.model import ChainCatalog
+        except ImportError:
+            pass
+        else:
+            if hasattr(ChainCatalog, "new_chains"):  # since a big merge's chains come from a thread
+                chains_ms = []
+                for snap in snaps[:runs]:
+                    fresh = ChainCatalog()  # the first merge of a run: every chain new
+                    t = time.perf_counter()
+                    for s in snap.stacks:
+                        fresh.info(s.kernel, s.user)
+                    chains_ms.append((time.perf_counter() - t) * 1000)
+                results["merge's new chains (worker thread)"] = chains_ms
+                cpu["merge's new chains (worker thread)"] = chains_ms
+                del fresh
+
         async def timed(name: str, n: int, action: Callable[[int], Awaitable[None]]) -> None:
             start = len(CPU_MS)
             results.setdefault(name, []).extend(await measure(n, action, pilot))

@@ -14,7 +14,7 @@ import heapq
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from offtop.recent import Recent
 
@@ -857,16 +857,40 @@ def blocked_in(kernel: Sequence[Frame], user: Sequence[Frame]) -> Frame | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class ChainInfo:
-    """What is known of one (kernel, user) callchain, whoever blocked in it."""
+_UNKNOWN: Any = object()  # a `ChainInfo` fact not worked out yet
 
-    chain: int
-    """Equal for equal frames (by name, kernel and user apart)."""
-    idle: bool
-    """`is_idle_wait`."""
-    blocked_in: Frame | None
-    """`blocked_in`."""
+
+class ChainInfo:
+    """What is known of one (kernel, user) callchain, whoever blocked in it.
+
+    The number is given at once; `idle` and `blocked_in` are worked out at
+    their first use (a merge asks only for numbers, of every stack). Safe
+    between threads: a fact worked out twice at once comes out the same.
+    """
+
+    __slots__ = ("_blocked_in", "_idle", "_kernel", "_user", "chain")
+
+    def __init__(self, chain: int, kernel: Sequence[Frame], user: Sequence[Frame]) -> None:
+        self.chain = chain
+        """Equal for equal frames (by name, kernel and user apart)."""
+        self._kernel = kernel
+        self._user = user
+        self._idle: Any = _UNKNOWN
+        self._blocked_in: Any = _UNKNOWN
+
+    @property
+    def idle(self) -> bool:
+        """`is_idle_wait`."""
+        if self._idle is _UNKNOWN:
+            self._idle = is_idle_wait(self._kernel, self._user)
+        return bool(self._idle)
+
+    @property
+    def blocked_in(self) -> Frame | None:
+        """`blocked_in`."""
+        if self._blocked_in is _UNKNOWN:
+            self._blocked_in = blocked_in(self._kernel, self._user)
+        return cast("Frame | None", self._blocked_in)
 
 
 #: A chain's facts with the frame tuples they were worked out for (held: see ChainCatalog).
@@ -909,6 +933,14 @@ class ChainCatalog:
         self._by_names.rotate()
         self._texts = {}
 
+    def new_chains(self, stacks: Sequence[StackRow], sample: int = 1_000) -> int:
+        """About how many of `stacks` have a chain not kept for their frame
+        tuples: counted on an even sample of at most `sample` of them, and
+        scaled (a merge meeting thousands of new chains has them worked out
+        in a thread first; the count decides only where that work runs)."""
+        step = max(1, len(stacks) // sample)
+        return step * self._by_id.missing((id(s.kernel), id(s.user)) for s in stacks[::step])
+
     def info(self, kernel: tuple[Frame, ...], user: tuple[Frame, ...]) -> ChainInfo:
         """The facts of one chain."""
         key = (id(kernel), id(user))
@@ -923,7 +955,7 @@ class ChainCatalog:
         info = self._by_names.get(names)
         if info is None:
             self._next += 1
-            info = ChainInfo(self._next, is_idle_wait(kernel, user), blocked_in(kernel, user))
+            info = ChainInfo(self._next, kernel, user)
             self._by_names.put(names, info)
         self._by_id.put(key, (kernel, user, info))
         return info

@@ -12,7 +12,7 @@ there, and moved back, at its next use.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -30,6 +30,12 @@ class Recent(Generic[K, V]):
 
     def __len__(self) -> int:
         return len(self._now) + len(self._before)
+
+    def missing(self, keys: Iterable[K]) -> int:
+        """How many of `keys` are not kept; nothing is moved (as `get` would):
+        asking whether is not asking for."""
+        now, before = self._now, self._before
+        return sum(1 for key in keys if key not in now and key not in before)
 
     def get(self, key: K) -> V | None:
         """The value kept for `key` (kept on), None if none."""

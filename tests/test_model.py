@@ -222,6 +222,27 @@ def test_the_catalog_forgets_chains_not_asked_for_over_two_generations() -> None
     assert cat.info(EPOLL, user).chain > a.chain  # found afresh: never an old number
 
 
+def test_the_catalog_tells_about_how_many_chains_are_new() -> None:
+    cat = ChainCatalog()
+    rows = [stack(1, 5), stack(2, 5, EPOLL), stack(3, 5, FUTEX)]
+    assert cat.new_chains(rows) == 3
+    cat.info(EPOLL, U)
+    assert cat.new_chains(rows) == 2
+    # Counting asks for nothing: what was not asked for goes as before.
+    cat.next_generation()
+    cat.new_chains(rows)
+    cat.next_generation()
+    assert cat.new_chains(rows) == 3
+    # The same frames in new tuples: not known by identity (a merge would work them out).
+    cat.info(SLEEP, U)
+    assert cat.new_chains([stack(4, 5, tuple(list(SLEEP)))]) == 1
+    # Many stacks: counted on an even sample, scaled.
+    many = [stack(i, 5, kf(f"k{i}")) for i in range(10_000)]
+    for s in many[: len(many) // 4]:
+        cat.info(s.kernel, s.user)
+    assert cat.new_chains(many, sample=100) == 7_500
+
+
 def stack(tid: int, ns: int, kernel: tuple[Frame, ...] = SLEEP, *, pid: int = 10,
           comm: str = "wl", state: str = "S", count: int = 1) -> StackRow:
     return StackRow(pid=pid, tid=tid, comm=comm, state=state, offcpu_ns=ns, count=count,

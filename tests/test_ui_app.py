@@ -661,6 +661,43 @@ async def test_all_stacks_merge_and_their_tree() -> None:
         assert not app.drilled and table.scope == "task"
 
 
+async def test_a_merge_meeting_many_new_chains_works_them_out_in_a_thread_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lowered from 2,000 so that the 200 synthetic stacks count as many.
+    monkeypatch.setattr(StacksPane, "MERGE_ON_LOOP", 50)
+    gate, on_loop = threading.Event(), threading.get_ident()
+    facts = SnapshotIndex.facts
+
+    def gated_facts(self: SnapshotIndex, stack: StackRow) -> Any:
+        if threading.get_ident() != on_loop:
+            assert gate.wait(10), "the test never opened the gate"
+        return facts(self, stack)
+
+    monkeypatch.setattr(SnapshotIndex, "facts", gated_facts)
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        await pilot.press("a")
+        await pilot.pause()
+        table = app.query_one(StackTable)
+        before = table.row_keys_in_order
+        await pilot.press("m")
+        await pilot.pause()
+        # The chains are being worked out in a thread: the rows shown stay.
+        assert subtitle(pane(app)) == f"merging {len(SNAPS[0].stacks)} stacks…"
+        assert table.row_keys_in_order == before and "tasks" not in table.column_keys
+        gate.set()
+        await until(pilot, lambda: "merged by process" in subtitle(pane(app)), "merged rows")
+        keys = [(s.pid, s.state, s.kernel, s.user) for s in shown_stacks(app)]
+        assert len(keys) == len(set(keys)) and "tasks" in table.column_keys
+        assert f"rows of {len(SNAPS[0].stacks)} stacks" in subtitle(pane(app))
+        # Chains known: the next merge is drawn at once.
+        gate.clear()
+        await pilot.press("m")
+        await pilot.pause()
+        assert "merged by command" in subtitle(pane(app))
+
+
 async def test_idle_waits_hidden_with_a_key() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:

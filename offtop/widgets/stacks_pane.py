@@ -14,8 +14,9 @@ The pane keeps what it needs to stay put while the data moves: the last
 stacks of an idle task (shown as "last seen"), the callchain tree's owner,
 and the flame graph's tree, which is built in a worker thread, only while
 the flame graph is on screen, and for a big graph not at every tick (at
-most a tenth of the time goes to building). It sets its own title and
-subtitle.
+most a tenth of the time goes to building). A merge that meets thousands
+of chains not seen before has them worked out in a worker thread first
+(the table says "merging…" meanwhile). It sets its own title and subtitle.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class StacksPane(ContentSwitcher):
     #: After building a flame tree in `t` seconds, new data waits `t` times
     #: this before the next build (a big graph is not rebuilt every tick).
     FLAME_IDLE_FACTOR: ClassVar[float] = 9.0
+    #: A merge meeting this many chains not seen before has them worked out in
+    #: a worker thread first (each costs a few µs on the event loop otherwise).
+    MERGE_ON_LOOP: ClassVar[int] = 2_000
 
     # `var`s, not `reactive`s: a change redraws what its watcher says changed
     # (a reactive would also repaint the whole pane, at every tick).
@@ -116,6 +120,13 @@ class StacksPane(ContentSwitcher):
             super().__init__()
             self.view = view
 
+    class ChainsLearned(Message):
+        """The chains of an index's stacks are known: a merge of them is quick now."""
+
+        def __init__(self, index: SnapshotIndex) -> None:
+            super().__init__()
+            self.index = index
+
     class FlameReady(Message):
         """A flame graph's tree, built in a thread."""
 
@@ -145,6 +156,8 @@ class StacksPane(ContentSwitcher):
         self._since_for: tuple[Scope, int | None] | None = None
         self._flame_inputs: tuple[Hashable, ...] = ()
         self._flame_due = 0.0
+        #: The index whose chains a worker thread is working out, if any.
+        self._learning: SnapshotIndex | None = None
         #: The tree's owner and the stacks whose wakers the waker tree sums.
         self._waker_owner: object = None
         self._waker_stacks: list[StackRow] = []
@@ -299,16 +312,51 @@ class StacksPane(ContentSwitcher):
         stacks, stale = self._stacks_of(scope)
         everything = scope.kind == "all"
         limit = StackTable.MAX_ROWS_ALL if everything else StackTable.MAX_ROWS
+        title = Text("All stacks by off-CPU time" if everything else "Stacks of ", end="")
+        if not everything:
+            title.append_text(self._scope_title(scope))
+        if self.merge != "none" and self._learn_first(stacks):
+            # The rows shown stay until the chains are known (`_chains_learned`).
+            self._set_titles(title, Text(f"merging {len(stacks):,} stacks…", style="italic",
+                                         end=""))
+            return
         merged, in_all = merge_identical(stacks, self.merge, self.index.facts, limit)
         rows = [(self._row_key(m), m) for m in merged]
         total = sum(s.offcpu_ns for s in stacks)
         self.query_one(StackTable).show(
             rows, scope="all" if everything else "task", merged=self.merge != "none",
             total_ns=total, show_kernel=self.show_kernel, show_user=self.show_user)
-        title = Text("All stacks by off-CPU time" if everything else "Stacks of ", end="")
-        if not everything:
-            title.append_text(self._scope_title(scope))
         self._set_titles(title, self._table_subtitle(len(stacks), in_all, len(rows), stale))
+
+    def _learn_first(self, stacks: list[StackRow]) -> bool:
+        """Whether a merge of `stacks` waits for a worker thread to work out
+        their chains (started here unless already under way): so it does when
+        `MERGE_ON_LOOP` chains or more are new. Each is a few µs; 20,000
+        held the event loop for most of a tenth of a second."""
+        index = self.index
+        if len(stacks) < self.MERGE_ON_LOOP or \
+                index.catalog.new_chains(stacks) < self.MERGE_ON_LOOP:
+            return False
+        if self._learning is not index:
+            self._learning = index
+            self._learn_chains(stacks, index)
+        return True
+
+    @work(thread=True, exclusive=True, group="chains", exit_on_error=False,
+          description="chain numbers")
+    def _learn_chains(self, stacks: list[StackRow], index: SnapshotIndex) -> None:
+        """Work out the chains of `stacks` off the event loop."""
+        facts = index.facts
+        for s in stacks:
+            facts(s)
+        self.post_message(self.ChainsLearned(index))
+
+    @on(ChainsLearned)
+    def _chains_learned(self, message: ChainsLearned) -> None:
+        if message.index is self._learning:
+            self._learning = None
+        if message.index is self.index and self.view == "stacks" and self.merge != "none":
+            self._refresh()
 
     def _row_key(self, m: MergedStack) -> StackKey:
         s = m.row
