@@ -13,7 +13,9 @@ import pytest
 from rich.text import Text
 from textual import events
 from textual.app import App, ComposeResult
+from textual.geometry import Region
 from textual.strip import Strip
+from textual.widget import Widget
 
 from offtop.model import (
     CaptureStats,
@@ -50,9 +52,11 @@ from offtop.widgets.render import (
     PYTHON_STYLE,
     UNKNOWN_STYLE,
     USER_STYLE,
+    TitledPane,
     chain_summary,
     frame_style,
     frame_text,
+    set_titles,
     task_label,
 )
 from offtop.widgets.scopes import ALL, NOTHING, Scope, ScopeStacks
@@ -230,6 +234,63 @@ async def test_line_table_redraws_only_the_rows_that_changed() -> None:
         assert screen_lines(table)[1].split() == ["n39", "39"]
         assert table.lines_rendered - lines == 2
         assert table.cells_rendered == cells
+
+
+async def test_a_resort_of_most_rows_redraws_their_lines_not_the_header_or_the_blank_ones(
+        ) -> None:
+    app = TableApp(NumberTable())
+    async with app.run_test(size=(40, 50)) as pilot:
+        table, rows = await number_table(app, pilot, 5)
+        table.drawn.clear()
+        table.sync_rows(rows[::-1])
+        await pilot.pause()
+        assert sorted(set(table.drawn)) == [1, 2, 3, 4, 5]
+        assert screen_lines(table)[1:3] == [" n4        4", " n3        3"]
+
+
+class TitledBox(TitledPane):
+    """A bordered pane of ten lines."""
+
+    DEFAULT_CSS = "TitledBox { border: round white; height: 10; }"
+
+
+class PlainBox(Widget):
+    DEFAULT_CSS = "PlainBox { border: round white; height: 10; }"
+
+
+class BoxesApp(App[None]):
+    def compose(self) -> ComposeResult:
+        yield TitledBox()
+        yield PlainBox()
+
+
+async def test_a_titled_panes_new_titles_redraw_its_border_lines_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[tuple[Widget, tuple[Region, ...]]] = []
+    refresh = Widget.refresh
+
+    def recording(self: Widget, *regions: Region, **kw: Any) -> Any:
+        asked.append((self, regions))
+        return refresh(self, *regions, **kw)
+
+    monkeypatch.setattr(Widget, "refresh", recording)
+    app = BoxesApp()
+    async with app.run_test(size=(40, 20)) as pilot:
+        box, plain = app.query_one(TitledBox), app.query_one(PlainBox)
+        await pilot.pause()
+        asked.clear()
+        set_titles(box, "NEWTITLE42", "SUB7")
+        set_titles(plain, "PLAINTITLE", "")
+        lines = {(r.y, r.height) for w, regions in asked if w is box for r in regions}
+        assert lines == {(-1, 1), (8, 1)}  # content coordinates: the border's top, bottom
+        assert [regions for w, regions in asked if w is plain] == [()]  # Textual's own: whole
+        await pilot.pause()
+        screen = app.export_screenshot()
+        assert "NEWTITLE42" in screen and "SUB7" in screen and "PLAINTITLE" in screen
+        # Other refreshes of the pane are whole, as ever.
+        asked.clear()
+        box.refresh()
+        assert [regions for w, regions in asked if w is box] == [()]
 
 
 async def test_rows_that_swap_places_redraw_those_two_rows_not_the_table() -> None:

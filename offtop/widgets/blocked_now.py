@@ -26,6 +26,7 @@ from offtop.source import BlockedWaits
 from offtop.units import format_ns
 from offtop.widgets.line_table import Column, LineTable
 from offtop.widgets.render import (
+    TitledPane,
     bar,
     chain_summary,
     log_fraction,
@@ -39,7 +40,7 @@ from offtop.widgets.render import (
 ESTIMATED = "~"
 
 
-class BlockedNowTable(LineTable[int]):
+class BlockedNowTable(LineTable[int], TitledPane):
     """Blocked tasks, longest wait first: wait and a log bar, state, task, where.
 
     Each row is two lines: the task, then the innermost frames it waits in.

@@ -511,8 +511,9 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
         old and new rows, and after a re-sort only the positions in view that
         show another row now (two rows that swap places redraw two rows, not
         the table: a whole pane's redraw is most of what a screen update
-        costs). When most positions in view moved, the table is redrawn
-        whole, once, and nothing row by row."""
+        costs). When most positions in view moved, the rows in view are
+        redrawn at once (not the header, the border, or the empty lines
+        below them), and nothing row by row."""
         rows = [cursor_before, self._cursor] if self._cursor != cursor_before else []
         if reordered:
             keys = self._rows.keys
@@ -520,7 +521,7 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
             moved = [i for i in in_view
                      if i >= len(keys) or i >= len(old_keys) or keys[i] != old_keys[i]]
             if len(moved) * 2 > len(in_view):
-                self.refresh()
+                self._refresh_rows(in_view)
                 return
             rows += moved
         index = self._rows.index
@@ -757,6 +758,12 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
         if self.show_vertical_scrollbar:
             return size.height > view.height
         return size.height <= view.height - styles.scrollbar_size_horizontal
+
+    def _refresh_rows(self, rows: range) -> None:
+        """Redraw the lines of `rows` (positions in view), as one region."""
+        if rows:
+            y = self._header_height + rows.start * self.ROW_HEIGHT - self.scroll_offset.y
+            self.refresh(Region(0, y, self.size.width, len(rows) * self.ROW_HEIGHT))
 
     def _refresh_row(self, row: int) -> None:
         """Redraw the lines of row `row` if they are in view."""

@@ -30,13 +30,13 @@ from textual.cache import LRUCache
 from textual.message import Message
 from textual.reactive import var
 from textual.strip import Strip
-from textual.widget import Widget
 
 from offtop.model import LongBlock
 from offtop.safe_text import printable
 from offtop.units import format_ns
 from offtop.widgets.arrivals import Taken
 from offtop.widgets.render import (
+    TitledPane,
     chain_summary,
     clock_time,
     set_titles,
@@ -86,7 +86,7 @@ def _head(block: LongBlock, *, millis: bool) -> Text:
     return t
 
 
-class LongBlocksLog(Widget, can_focus=True):
+class LongBlocksLog(TitledPane, can_focus=True):
     """The newest `MAX_LINES` long blocks, one line each (see module docstring)."""
 
     DEFAULT_CSS = """

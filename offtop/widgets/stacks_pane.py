@@ -46,7 +46,7 @@ from offtop.model import (
 from offtop.units import format_ns
 from offtop.widgets.callchain_tree import CallchainTree, Path, passes_through, stack_path
 from offtop.widgets.flame_graph import FlameGraph, FlameTree, GroupBy
-from offtop.widgets.render import frame_text, set_titles
+from offtop.widgets.render import TitledPane, frame_text, set_titles
 from offtop.widgets.scopes import ALL, Scope, ScopeStacks
 from offtop.widgets.stack_table import StackKey, StackTable
 from offtop.widgets.waker_tree import WakerTree
@@ -70,7 +70,7 @@ class ViewData:
     show_user: bool
 
 
-class StacksPane(ContentSwitcher):
+class StacksPane(ContentSwitcher, TitledPane):
     """Stacks, callchain tree or flame graph of a scope (see module docstring)."""
 
     #: After building a flame tree in `t` seconds, new data waits `t` times

@@ -32,6 +32,7 @@ from offtop.units import format_ns
 from offtop.widgets.choice_screen import ChoiceScreen
 from offtop.widgets.line_table import Column, LineTable
 from offtop.widgets.render import (
+    TitledPane,
     frame_style,
     number_text,
     rate_parts,
@@ -124,7 +125,7 @@ def row_matches(row: Row, needle: str) -> bool:
     return isinstance(row, TaskRow) and n in str(row.tid)
 
 
-class TaskTable(LineTable[RowKey]):
+class TaskTable(LineTable[RowKey], TitledPane):
     """Threads or processes ranked by off-CPU time (see module docstring)."""
 
     BINDINGS: ClassVar[list[BindingType]] = [

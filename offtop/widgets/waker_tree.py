@@ -31,7 +31,7 @@ from textual.widgets.tree import TreeNode
 
 from offtop.model import Frame, StackRow, Waker
 from offtop.units import format_ns
-from offtop.widgets.render import chain_summary, frame_text, set_titles, waker_label
+from offtop.widgets.render import TitledPane, chain_summary, frame_text, set_titles, waker_label
 
 #: A waker's identity: its kind, pid, tid and comm (its stacks told apart below it).
 WakerId = tuple[str, int, int, str]
@@ -128,7 +128,7 @@ class WakerNode:
     """The waker the node is (or is below); None for the "not seen" line."""
 
 
-class WakerTree(Tree[WakerNode]):
+class WakerTree(Tree[WakerNode], TitledPane):
     """Who woke the blocks the callchain tree shows (see module docstring)."""
 
     DEFAULT_CSS = """
