@@ -691,6 +691,18 @@ async def test_a_merge_meeting_many_new_chains_works_them_out_in_a_thread_first(
         keys = [(s.pid, s.state, s.kernel, s.user) for s in shown_stacks(app)]
         assert len(keys) == len(set(keys)) and "tasks" in table.column_keys
         assert f"rows of {len(SNAPS[0].stacks)} stacks" in subtitle(pane(app))
+        # New data with new chains for the merge shown: its rows stay, without
+        # "merging…" at every tick, until the new chains are known.
+        merged = table.row_keys_in_order
+        gate.clear()
+        fresh = [dataclasses.replace(s, kernel=tuple(list(s.kernel)), user=tuple(list(s.user)))
+                 for s in SNAPS[1].stacks]
+        app.publish(dataclasses.replace(SNAPS[1], stacks=tuple(fresh)))
+        await shown(pilot, app, SNAPS[1].seq)
+        assert "merged by process" in subtitle(pane(app)) and table.row_keys_in_order == merged
+        gate.set()
+        await until(pilot, lambda: table.row_keys_in_order != merged, "the new data merged")
+        assert "merged by process" in subtitle(pane(app))
         # Chains known: the next merge is drawn at once.
         gate.clear()
         await pilot.press("m")

@@ -158,6 +158,8 @@ class StacksPane(ContentSwitcher, TitledPane):
         self._flame_due = 0.0
         #: The index whose chains a worker thread is working out, if any.
         self._learning: SnapshotIndex | None = None
+        #: What the merged rows in the table are (merge, scope and switches), if merged.
+        self._merge_drawn: tuple[Hashable, ...] | None = None
         #: The tree's owner and the stacks whose wakers the waker tree sums.
         self._waker_owner: object = None
         self._waker_stacks: list[StackRow] = []
@@ -315,11 +317,15 @@ class StacksPane(ContentSwitcher, TitledPane):
         title = Text("All stacks by off-CPU time" if everything else "Stacks of ", end="")
         if not everything:
             title.append_text(self._scope_title(scope))
+        drawn = (self.merge, scope, self.cumulative, self.hide_idle, self.filter_text)
         if self.merge != "none" and self._learn_first(stacks):
-            # The rows shown stay until the chains are known (`_chains_learned`).
-            self._set_titles(title, Text(f"merging {len(stacks):,} stacks…", style="italic",
-                                         end=""))
+            # The rows shown stay until the chains are known (`_chains_learned`);
+            # a new merge says so, new data for the merge shown waits silently.
+            if drawn != self._merge_drawn:
+                self._set_titles(title, Text(f"merging {len(stacks):,} stacks…",
+                                             style="italic", end=""))
             return
+        self._merge_drawn = drawn if self.merge != "none" else None
         merged, in_all = merge_identical(stacks, self.merge, self.index.facts, limit)
         rows = [(self._row_key(m), m) for m in merged]
         total = sum(s.offcpu_ns for s in stacks)
