@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from rich.console import RenderableType
-from textual import on
+from textual import events, on
 from textual.actions import SkipAction, parse
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
@@ -82,7 +82,9 @@ class OfftopApp(App[int]):
     TITLE = "offtop"
     AUTO_FOCUS = "#tasks-pane"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-normal"), (180, "-wide")]
-    VERTICAL_BREAKPOINTS = [(0, "-short"), (24, "-tall")]
+    #: From this height the screen is "-tall"; below it "-short" (one pane at a time on the left).
+    TALL_FROM = 24
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (TALL_FROM, "-tall")]
     BINDINGS: ClassVar[list[BindingType]] = [*APP_BINDINGS, *REPLAY_BINDINGS]
     # With `freeze_gc`, the cyclic GC's full passes are the app's
     # (offtop.gc_pacing), each once a snapshot is drawn: Python's own came
@@ -354,11 +356,19 @@ class OfftopApp(App[int]):
 
     @on(StacksPane.ViewChanged)
     def _view_changed(self, event: StacksPane.ViewChanged) -> None:
-        # The short layout swaps the task table for the tree or flame graph
-        # (see app.tcss). On the left column, which holds both: a class on
-        # the screen would restyle every widget (~15 ms at each Enter and Esc).
+        self._fit_left(self.size.height, event.view != "stacks")
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._fit_left(event.size.height, self.query_one(StacksPane).view != "stacks")
+
+    def _fit_left(self, height: int, drilled: bool) -> None:
+        """The short layout swaps the task table for the tree or flame graph
+        (app.tcss: `-drilled` on the left column, which holds both). Set only
+        on a short screen, where it shows: a class restyles the column's
+        every widget (~15 ms of each Enter, Esc and f; on the screen, every
+        widget's), and a tall screen has no use for it."""
         if left := self.query_one_optional("#left"):
-            left.set_class(event.view != "stacks", "-drilled")
+            left.set_class(drilled and height < self.TALL_FROM, "-drilled")
 
     @on(ThresholdPane.Changed)
     def _threshold_asked(self, event: ThresholdPane.Changed) -> None:

@@ -539,7 +539,6 @@ async def test_drill_down_into_the_callchain_tree_and_back() -> None:
         await pilot.press("down", "enter")
         await pilot.pause()
         assert app.drilled and pane(app).current == "tree"
-        assert app.query_one("#left").has_class("-drilled")
         tree = app.query_one(CallchainTree)
         assert app.focused is tree
         assert task.comm in str(tree.root.label)
@@ -551,6 +550,33 @@ async def test_drill_down_into_the_callchain_tree_and_back() -> None:
         await pilot.press("escape")
         assert not app.drilled and pane(app).current == "stacks"
         assert app.focused is app.query_one(TaskTable)
+
+
+async def test_a_short_screen_shows_the_task_table_or_the_drilled_view() -> None:
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    async with app.run_test(size=(100, 20)) as pilot:
+        await shown(pilot, app)
+        tasks, stacks = app.query_one(TaskTable), pane(app)
+        assert tasks.display and not stacks.display
+        for key, view in (("enter", "tree"), ("escape", "stacks"), ("f", "flame")):
+            await pilot.press(key)
+            await pilot.pause()
+            drilled = view != "stacks"
+            assert stacks.current == view and tasks.display is not drilled
+            assert stacks.display is drilled
+        # Drilled while tall: both panes; made short: the drilled view alone.
+        await pilot.press("f")
+        await pilot.resize_terminal(100, 40)
+        await pilot.pause()
+        await pilot.press("f")
+        await pilot.pause()
+        assert tasks.display and stacks.display and stacks.current == "flame"
+        await pilot.resize_terminal(100, 20)
+        await pilot.pause()
+        assert stacks.display and not tasks.display
+        await pilot.press("f")
+        await pilot.pause()
+        assert tasks.display and not stacks.display
 
 
 async def test_tree_keeps_expansion_and_cursor_across_snapshots() -> None:
@@ -846,7 +872,7 @@ async def test_flame_graph_of_the_scope_built_only_while_shown(
         await pilot.press("f")
         flame = app.query_one(FlameGraph)
         await until(pilot, lambda: flame.flame_tree.total_ns > 0, "the flame tree")
-        assert app.focused is flame and pane(app).has_class("-flame")
+        assert app.focused is flame and pane(app).styles.border_top[0] == ""
         assert flame.flame_tree.title.startswith(f"{task.comm} {task.pid}")
         assert flame.flame_tree.total_ns == sum(s.offcpu_ns for s in SNAPS[0].stacks_of(task.tid))
         assert "Flame graph of" in str(flame.border_title)
