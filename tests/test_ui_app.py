@@ -156,6 +156,13 @@ async def shown(pilot: Pilot[object], app: OfftopApp, seq: int = 1) -> None:
     await pilot.pause()
 
 
+async def shown_then(pilot: Pilot[object], app: OfftopApp, *keys: str) -> None:
+    """Wait until the first snapshot is on screen, press `keys`, let the app draw."""
+    await shown(pilot, app)
+    await pilot.press(*keys)
+    await pilot.pause()
+
+
 async def until(pilot: Pilot[object], test: Any, what: str, tries: int = 300) -> None:
     """Wait (a worker, a timer) until `test()` is true."""
     for _ in range(tries):
@@ -626,9 +633,7 @@ async def test_stack_row_enter_opens_the_tree_at_its_path() -> None:
 async def test_frame_toggles_are_shift_k_and_u_everywhere() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
-        await shown(pilot, app)
-        await pilot.press("enter")
-        await pilot.pause()
+        await shown_then(pilot, app, "enter")
         tree = app.query_one(CallchainTree)
         await pilot.press("K")
         await pilot.pause()
@@ -653,9 +658,7 @@ async def test_frame_toggles_are_shift_k_and_u_everywhere() -> None:
 async def test_all_stacks_merge_and_their_tree() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
-        await shown(pilot, app)
-        await pilot.press("a")
-        await pilot.pause()
+        await shown_then(pilot, app, "a")
         table = app.query_one(StackTable)
         assert table.scope == "all" and title(pane(app)) == "All stacks by off-CPU time"
         assert table.row_count == min(len(SNAPS[0].stacks), StackTable.MAX_ROWS_ALL)
@@ -702,9 +705,7 @@ async def test_a_merge_meeting_many_new_chains_works_them_out_in_a_thread_first(
     monkeypatch.setattr(SnapshotIndex, "facts", gated_facts)
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
-        await shown(pilot, app)
-        await pilot.press("a")
-        await pilot.pause()
+        await shown_then(pilot, app, "a")
         table = app.query_one(StackTable)
         before = table.row_keys_in_order
         await pilot.press("m")
@@ -1066,9 +1067,7 @@ async def test_threshold_keys_write_the_source() -> None:
     src = fake_source()
     app = OfftopApp(src, clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
-        await shown(pilot, app)
-        await pilot.press("plus")
-        await pilot.pause()
+        await shown_then(pilot, app, "plus")
         assert src.threshold_writes == [200 * MS]
         assert "threshold 200ms" in header_text(app)
         assert title(app.query_one(LongBlocksLog)) == "Long blocks ≥ 200ms"
@@ -1206,9 +1205,7 @@ async def test_a_short_terminal_shows_one_pane_at_a_time_on_the_left() -> None:
 async def test_markup_in_comm_is_shown_literally() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
-        await shown(pilot, app)
-        await pilot.press("slash", *"evil", "enter")
-        await pilot.pause()
+        await shown_then(pilot, app, "slash", *"evil", "enter")
         table = app.query_one(TaskTable)
         key = table.cursor_key
         assert key is not None
@@ -1247,9 +1244,7 @@ async def test_pause_freezes_the_display() -> None:
 async def test_help_is_built_from_the_bindings() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
-        await shown(pilot, app)
-        await pilot.press("f1")
-        await pilot.pause()
+        await shown_then(pilot, app, "f1")
         screen = app.screen
         assert isinstance(screen, HelpScreen)
         lines = dict(screen.lines)
@@ -1289,9 +1284,7 @@ async def test_command_palette_sorts() -> None:
 async def test_quit_keys(key: str) -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
-        await shown(pilot, app)
-        await pilot.press(key)
-        await pilot.pause()
+        await shown_then(pilot, app, key)
         assert app.stopping.is_set() and not app.is_running
 
 
@@ -1301,9 +1294,7 @@ async def test_q_is_text_where_typed_and_closes_screens_of_its_own() -> None:
     src = fake_source()
     app = OfftopApp(src, clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
-        await shown(pilot, app)
-        await pilot.press("slash", *"squid")
-        await pilot.pause()
+        await shown_then(pilot, app, "slash", *"squid")
         assert app.query_one(FilterInput).value == "squid"
         await pilot.press("escape")
         box = app.query_one(ThresholdInput)
