@@ -355,20 +355,21 @@ class OfftopApp(App[int]):
         pane.open(Scope.task(key))
 
     @on(StacksPane.ViewChanged)
-    def _view_changed(self, event: StacksPane.ViewChanged) -> None:
-        self._fit_left(self.size.height, event.view != "stacks")
+    def _view_changed(self) -> None:
+        self._fit_left(self.size.height)
 
     def on_resize(self, event: events.Resize) -> None:
-        self._fit_left(event.size.height, self.query_one(StacksPane).view != "stacks")
+        self._fit_left(event.size.height)
 
-    def _fit_left(self, height: int, drilled: bool) -> None:
+    def _fit_left(self, height: int) -> None:
         """The short layout swaps the task table for the tree or flame graph
         (app.tcss: `-drilled` on the left column, which holds both). Set only
         on a short screen, where it shows: a class restyles the column's
         every widget (~15 ms of each Enter, Esc and f; on the screen, every
         widget's), and a tall screen has no use for it."""
-        if left := self.query_one_optional("#left"):
-            left.set_class(drilled and height < self.TALL_FROM, "-drilled")
+        left, pane = self.query_one_optional("#left"), self.query_one_optional(StacksPane)
+        if left is not None and pane is not None:
+            left.set_class(pane.view != "stacks" and height < self.TALL_FROM, "-drilled")
 
     @on(ThresholdPane.Changed)
     def _threshold_asked(self, event: ThresholdPane.Changed) -> None:

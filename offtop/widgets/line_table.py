@@ -760,16 +760,15 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
         return size.height <= view.height - styles.scrollbar_size_horizontal
 
     def _refresh_rows(self, rows: range) -> None:
-        """Redraw the lines of `rows` (positions in view), as one region."""
-        if rows:
-            y = self._header_height + rows.start * self.ROW_HEIGHT - self.scroll_offset.y
-            self.refresh(Region(0, y, self.size.width, len(rows) * self.ROW_HEIGHT))
+        """Redraw the lines of `rows` (positions) as one region, if any is in view."""
+        y = self._header_height + rows.start * self.ROW_HEIGHT - self.scroll_offset.y
+        height = len(rows) * self.ROW_HEIGHT
+        if height and y + height > self._header_height and y < self.size.height:
+            self.refresh(Region(0, y, self.size.width, height))
 
     def _refresh_row(self, row: int) -> None:
         """Redraw the lines of row `row` if they are in view."""
-        y = self._header_height + row * self.ROW_HEIGHT - self.scroll_offset.y
-        if y + self.ROW_HEIGHT > self._header_height and y < self.size.height:
-            self.refresh(Region(0, y, self.size.width, self.ROW_HEIGHT))
+        self._refresh_rows(range(row, row + 1))
 
     def _pass_state(self) -> _Pass:
         state = self._pass
