@@ -53,7 +53,7 @@ class _WatchedSource:
         self._source.start()
 
     def next_snapshot(self, interval_s: float, stop: threading.Event) -> Snapshot | None:
-        self._guard.stop_event = stop
+        self._guard.watch(stop)
         return self._source.next_snapshot(interval_s, stop)
 
     def set_threshold(self, ns: int) -> None:
@@ -76,8 +76,10 @@ class ExitGuard:
         grace_s: float = 0.5,
         tty_fd: int | None = None,
         hard_exit: Callable[[int], None] = os._exit,
-        poll_s: float = 0.05,
+        poll_s: float = 0.25,
     ) -> None:
+        # `poll_s`: how often the terminal is looked at (a stop request wakes the
+        # thread at once). 20 looks a second were a twentieth of an idle TUI's CPU.
         self.source: SnapshotSource = _WatchedSource(source, self)
         self.stop_event: threading.Event | None = None
         self.fired = False
@@ -86,6 +88,7 @@ class ExitGuard:
         self._fd = tty_fd
         self._exit = hard_exit
         self._done = threading.Event()
+        self._handed = threading.Event()  # set once a stop event is handed over, or at the end
         self._saved: list[Any] | None = None
         self._thread = threading.Thread(target=self._watch, name="offtop-exit-guard",
                                         daemon=True)
@@ -100,7 +103,14 @@ class ExitGuard:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._done.set()
+        self._handed.set()
         self._thread.join(timeout=1.0)
+
+    def watch(self, stop: threading.Event) -> None:
+        """The event that says the app was asked to stop (the app's source is handed it)."""
+        if self.stop_event is not stop:
+            self.stop_event = stop
+            self._handed.set()
 
     def _stop_requested(self) -> bool:
         ev = self.stop_event
@@ -117,14 +127,17 @@ class ExitGuard:
 
     def _watch(self) -> None:
         grace = self._grace
-        while not self._done.wait(self._poll):
+        while True:
+            # On the stop event once the app handed it over: a stop is seen at once.
+            event = self.stop_event
+            (self._handed if event is None else event).wait(self._poll)
+            if self._done.is_set():
+                return
             if self._hung_up():
                 grace = min(grace, 0.2)  # no terminal to put back: little to wait for
                 break
             if self._stop_requested():
                 break
-        else:
-            return
         if self._done.wait(grace):
             return
         self.fired = True

@@ -870,6 +870,23 @@ def test_exit_guard_ends_a_process_whose_shutdown_hangs() -> None:
         os.close(slave)
 
 
+def test_exit_guard_sees_a_stop_at_once_between_its_looks_at_the_terminal() -> None:
+    """The terminal is looked at every `poll_s` (30 s here); a stop request is not
+    waited for: the guard counts its grace from the request."""
+    from offtop.exit_guard import ExitGuard
+
+    exits: list[int] = []
+    with ExitGuard(_IdleSource(), grace_s=0.2, hard_exit=exits.append, poll_s=30.0) as guard:
+        stop = threading.Event()
+        guard.source.next_snapshot(1.0, stop)
+        time.sleep(0.1)  # the guard waits on the stop event now
+        t0 = time.monotonic()
+        stop.set()
+        assert wait_until(lambda: exits == [0], timeout=5, step=0.01)
+        assert time.monotonic() - t0 < 2.0
+    assert guard.fired
+
+
 def test_exit_guard_stays_quiet_when_the_exit_is_normal() -> None:
     from offtop.exit_guard import ExitGuard
 
@@ -1021,6 +1038,33 @@ def test_a_hurried_engine_counts_everything_and_resolves_nothing_new(
         assert after is not None
         assert not [st for st in after.stacks if st.tid in (known.tid, new.tid)], \
             "still recording after a stop"
+    finally:
+        src.close()
+
+
+@pytest.mark.bpf
+def test_a_stop_ends_the_engines_wait_at_once(bpf_available: None) -> None:
+    """Between sub-ticks the engine sleeps until records come; a stop (`hurry`, as the
+    TUI and batch mode send with it) wakes it. Sub-ticks of 30 s here: without the
+    wake-up, `next_snapshot` would sleep on for them."""
+    from offtop.bpf.engine import BpfSource, EngineConfig
+
+    src = BpfSource(EngineConfig(threshold_ns=10**9, subtick_s=30.0, first_interval_s=30.0))
+    src.start()
+    try:
+        stop = threading.Event()
+        done: list[float] = []
+        waiting = threading.Thread(
+            target=lambda: (src.next_snapshot(60.0, stop), done.append(time.monotonic())))
+        waiting.start()
+        time.sleep(1.0)  # asleep in the ring's wait by now
+        assert not done
+        t0 = time.monotonic()
+        stop.set()
+        src.hurry()
+        waiting.join(timeout=20)
+        assert done, "still waiting 20 s after the stop"
+        assert done[0] - t0 < 5.0
     finally:
         src.close()
 

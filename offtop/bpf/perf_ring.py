@@ -14,6 +14,7 @@ what lets Python take in several hundred thousand events per second.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes as ct
 import mmap
 import os
@@ -126,9 +127,13 @@ class PerfRing:
         self._libc = syscalls.libc()
         self._rings: list[_Ring] = []
         self._epoll = select.epoll()
+        #: Written by `wake`: ends a `wait` at once (-1 once closed).
+        self._wake_fd = -1
         self.lost = 0
         page = mmap.PAGESIZE
         try:
+            self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self._epoll.register(self._wake_fd, select.EPOLLIN)
             for cpu in online_cpus():
                 attr = PerfEventAttr()
                 attr.type = PERF_TYPE_SOFTWARE
@@ -156,11 +161,25 @@ class PerfRing:
             raise
 
     def wait(self, timeout_s: float) -> bool:
-        """Sleep until some ring has a batch ready or `timeout_s` passes."""
+        """Sleep until some ring has a batch ready, `wake` is called, or `timeout_s`
+        passes; False if the time ran out."""
         try:
-            return bool(self._epoll.poll(max(0.0, timeout_s)))
+            ready = self._epoll.poll(max(0.0, timeout_s))
         except InterruptedError:
             return False
+        for fd, _ in ready:
+            if fd == self._wake_fd:
+                with contextlib.suppress(OSError):
+                    os.eventfd_read(fd)  # taken: the next wait sleeps again
+        return bool(ready)
+
+    def wake(self) -> None:
+        """End the `wait` under way, or else the next one, at once. Callable from any
+        thread or a signal handler (one write to an eventfd)."""
+        fd = self._wake_fd
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.eventfd_write(fd, 1)
 
     def drain(self, out: list[bytes], *, max_records: int = 1 << 20) -> int:
         """Append each ring's raw samples to `out`; return how many were read.
@@ -273,4 +292,7 @@ class PerfRing:
             finally:
                 os.close(r.fd)
         self._rings = []
+        fd, self._wake_fd = self._wake_fd, -1
+        if fd >= 0:
+            os.close(fd)
         self._epoll.close()
