@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/engine_counts.py                 20 s at the busy-server load
     .venv/bin/python bench/engine_counts.py --seconds 40 --rate 10000 --procs 10
+    .venv/bin/python bench/engine_counts.py --max-stacks 100      as batch output's top 100
 
 Starts bench_busy (bench/busy_server.py's load, built the same way), runs offtop's
 engine (`BpfSource`, default options) in this process, lets it warm up for a few
@@ -108,6 +109,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=LoadSpec.threads)
     p.add_argument("--rate", type=float, default=LoadSpec.rate)
     p.add_argument("--churn", type=float, default=LoadSpec.churn)
+    p.add_argument("--max-stacks", type=int, default=Aggregator().max_stacks,
+                   help="stacks made into rows a snapshot (the TUI's default; batch output "
+                        "that prints the top N makes N)")
     args = p.parse_args()
     if os.geteuid() != 0:
         print("engine_counts: needs root (the probe)", file=sys.stderr)
@@ -130,7 +134,8 @@ def main() -> int:
     engine.new_user_stacks = counted_new
     try:
         time.sleep(3)
-        src = engine.BpfSource(engine.EngineConfig())
+        src = engine.BpfSource(engine.EngineConfig(),
+                               aggregator=Aggregator(max_stacks=args.max_stacks))
         src.start()
         pacing = GcPacing()
         run_intervals(src, args.warmup, pacing)
