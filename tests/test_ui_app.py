@@ -248,7 +248,7 @@ async def test_counted_errors_reach_the_header() -> None:
         for said in ("dropped aggregate map full 5", "events lost 7 in all",
                      "stack ids failed user EEXIST 8", "11 truncated", "4 at the depth limit",
                      "6 user stacks lost", "stack map 12,000/16,384 used", "3 unresolved",
-                     "9 left for later", "errors: bad ELF 2", "python stacks failed read failed 1",
+                     "9 left for later", "errors: bad ELF 2", "python stacks not read: read failed 1",
                      "threshold raised to 2.00s by flood control", "lost 2"):
             assert said in text, said
         assert len(text.splitlines()) == 3

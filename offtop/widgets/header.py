@@ -87,7 +87,7 @@ def problems_text(stats: CaptureStats) -> Text:
             text += ("; " if text else "") + "errors: " + _causes(errors)
         _field(t, "symbols", text, WARN_STYLE)
     if stats.python_failures:
-        _field(t, "python stacks failed", _causes(stats.python_failures), WARN_STYLE)
+        _field(t, "python stacks", "not read: " + _causes(stats.python_failures), WARN_STYLE)
     return t
 
 
