@@ -279,7 +279,7 @@ async def test_loading_state_until_the_source_starts() -> None:
         assert app.has_class("-loading") and app.loading
         # The class has a rule: the empty panes are faded while loading.
         assert app.query_one("#main").styles.opacity < 1
-        assert "compiling the BPF program" in header_text(app)
+        assert "loading the BPF program" in header_text(app)
         src.release.set()
         await shown(pilot, app)
         assert not app.has_class("-loading")

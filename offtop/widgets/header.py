@@ -182,7 +182,7 @@ class OfftopHeader(Widget):
                "bold")
         snap = self.index.snapshot if self.index is not None and self.index.snapshot.seq else None
         if self.status == "starting":
-            line.append("starting capture (compiling the BPF program)…", style="italic " + WARN_STYLE)
+            line.append("starting capture (loading the BPF program)…", style="italic " + WARN_STYLE)
         elif self.status == "failed":
             line.append("capture failed", style=ERROR_STYLE)
         elif snap is not None:
