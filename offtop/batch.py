@@ -175,7 +175,8 @@ def batch_loop(source: SnapshotSource, fmt: BatchFormat, interval_s: float, coun
 
     n = 0
     finished = ""
-    pacing = GcPacing()  # Python's full GC passes, between intervals (offtop.gc_pacing)
+    # Python's GC passes: full ones between intervals, no others (offtop.gc_pacing).
+    pacing = GcPacing(young=False)
     try:
         while not stop.is_set():
             snap = source.next_snapshot(interval_s, stop)

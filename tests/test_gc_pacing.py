@@ -44,6 +44,29 @@ def test_full_passes_at_the_pace_given_and_python_s_own_stopped() -> None:
     assert gc.get_threshold() == before and not p.active
 
 
+def test_without_young_passes_only_the_paced_full_passes_run() -> None:
+    before = gc.get_threshold()
+    p = GcPacing(young=False)
+    p.full_pass()
+    assert gc.get_threshold()[0] == 0  # Python's own passes off, every generation
+    young: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop":
+            young.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        held = [[i] for i in range(50_000)]  # would set off ~70 young passes
+        del held
+        p.full_pass()
+    finally:
+        gc.callbacks.remove(count)
+    assert young == [2]  # the loop's full pass alone
+    p.restore()
+    assert gc.get_threshold() == before
+
+
 class _Held:
     """A fake source (for this test): synthetic snapshots, and the GC thresholds
     in force each time one was asked for."""
@@ -101,6 +124,8 @@ def test_batch_runs_the_full_passes_itself_and_gives_them_back() -> None:
     # froze what was alive) after it, and none of Python's own meanwhile.
     assert src.thresholds[0] == before
     assert all(t[2] == GcPacing.NO_FULL_GC for t in src.thresholds[1:]), src.thresholds
+    # Nor any young or middle pass: batch mode draws nothing, its data is acyclic.
+    assert all(t[0] == 0 for t in src.thresholds[1:]), src.thresholds
     assert [n for n in full if n >= 1] == [1], full
     assert gc.get_threshold() == before
 
