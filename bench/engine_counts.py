@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/engine_counts.py                 20 s at the busy-server load
     .venv/bin/python bench/engine_counts.py --seconds 40 --rate 10000 --procs 10
-    .venv/bin/python bench/engine_counts.py --max-stacks 100      as batch output's top 100
+    .venv/bin/python bench/engine_counts.py --max-stacks 100 --no-young-gc    as batch mode runs
 
 Starts bench_busy (bench/busy_server.py's load, built the same way), runs offtop's
 engine (`BpfSource`, default options) in this process, lets it warm up for a few
@@ -98,7 +98,7 @@ def run_intervals(src: engine.BpfSource, n: int, pacing: GcPacing,
         snap = src.next_snapshot(1.0, stop)
         after(snap)
         if pacing.snapshot_done() or pacing.overdue():
-            pacing.full_pass()  # as batch mode does (offtop.gc_pacing)
+            pacing.full_pass()  # as batch mode and the TUI do (offtop.gc_pacing)
 
 
 def main() -> int:
@@ -112,6 +112,8 @@ def main() -> int:
     p.add_argument("--max-stacks", type=int, default=Aggregator().max_stacks,
                    help="stacks made into rows a snapshot (the TUI's default; batch output "
                         "that prints the top N makes N)")
+    p.add_argument("--no-young-gc", action="store_true",
+                   help="Python's young GC passes off, as batch mode runs (the TUI keeps them)")
     args = p.parse_args()
     if os.geteuid() != 0:
         print("engine_counts: needs root (the probe)", file=sys.stderr)
@@ -137,7 +139,7 @@ def main() -> int:
         src = engine.BpfSource(engine.EngineConfig(),
                                aggregator=Aggregator(max_stacks=args.max_stacks))
         src.start()
-        pacing = GcPacing()
+        pacing = GcPacing(young=not args.no_young_gc)
         run_intervals(src, args.warmup, pacing)
         counts.clear()
         offered[0] = 0
