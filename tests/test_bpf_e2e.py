@@ -316,6 +316,25 @@ def test_limited_json_counts_the_stacks_it_left_out(workloads: Any) -> None:
 
 
 
+def test_a_thread_blocking_in_many_places_at_once_has_each_place_summed(workloads: Any) -> None:
+    """One thread blocks ~100 us at the end of 16 call paths in turn, thousands of
+    times a second: each generation of the kernel's sums holds the first path in
+    the thread's slot and the other 15 in the hash (offcpu.c), which is read only
+    where the program says it added a key. Every path is in every full interval,
+    with about the same share: none of the hash's sums skipped or lost."""
+    w = workloads("stacks", "16")
+    snaps = offtop_json("-p", str(w.pid), "--limit", "0", count=3)
+    w.proc.kill()
+    for snap in steady(snaps):
+        paths: dict[tuple[str, ...], int] = {}
+        for st in stacks_of([snap], w.tid):
+            paths[tuple(st["user"])] = paths.get(tuple(st["user"]), 0) + st["count"]
+        assert len(paths) == 16, sorted(paths.values())
+        # In turn: no path has more than twice another's blocks (a path read
+        # from the slot only would be alone, or 15 of them at a quarter each).
+        assert max(paths.values()) <= 2 * min(paths.values()), sorted(paths.values())
+
+
 def test_a_thread_renamed_between_intervals_is_shown_by_its_new_name(workloads: Any) -> None:
     """A thread sleeping in one place interval after interval: its rows are carried
     from one interval to the next, not resolved again, and must still take the

@@ -191,7 +191,8 @@ class Probe:
                                   mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._acc_mm = mmap.mmap(self._map("offcpu_acc").fd, 2 * n * ct.sizeof(AccRecord),
                                  mmap.MAP_SHARED, mmap.PROT_READ)
-        self._touched_mm = mmap.mmap(self._map("offcpu_touched").fd, 2 * n,
+        # A byte per slot and parity, then offcpu.c's AGG_USED_WORD.
+        self._touched_mm = mmap.mmap(self._map("offcpu_touched").fd, 2 * n + 8,
                                      mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def set_perf_fd(self, cpu: int, fd: int, *, ring: str = "offcpu_events") -> None:
@@ -344,14 +345,21 @@ class Probe:
         # sched_switch runs its programs with interrupts off: one that read the
         # old generation finishes within microseconds of the flip.
         time.sleep(0.0005)
-        table = self._map(f"offcpu_agg{old & 1}")
-        raw = table.items_raw(delete=True)
-        if raw is None:  # no batch commands here: one entry at a time
-            items = table.items(delete=True)
-            raw = b"".join(k for k, _ in items), b"".join(v for _, v in items), len(items)
-        keys, values, n = raw
-        size = _AGG_KEY.size
         assert self._acc_mm is not None and self._touched_mm is not None
+        # Read only if the program added a key to it (offcpu.c AGG_USED_WORD): the
+        # batch read walks every bucket of the map, empty or not. Cleared once
+        # read; nothing writes the old generation by now (see above).
+        used = 2 * self.config.start_entries + (old & 1)
+        keys, values, n = b"", b"", 0
+        if self._touched_mm[used]:
+            table = self._map(f"offcpu_agg{old & 1}")
+            raw = table.items_raw(delete=True)
+            if raw is None:  # no batch commands here: one entry at a time
+                items = table.items(delete=True)
+                raw = b"".join(k for k, _ in items), b"".join(v for _, v in items), len(items)
+            keys, values, n = raw
+            self._touched_mm[used] = 0
+        size = _AGG_KEY.size
         slots = generation_sums(self._acc_mm, self._touched_mm, self.config.start_entries, old)
         pack = _AGG_KEY.pack
         return Drained(
