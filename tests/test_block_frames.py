@@ -12,7 +12,9 @@ from typing import Any
 
 from offtop.bpf.before_start import Before
 from offtop.bpf.block_frames import BlockFrames
+from offtop.bpf.unwound import UnwoundStacks
 from offtop.model import Frame
+from offtop.unwind import StopReason, UnwindResult
 
 
 class FakeClock:
@@ -75,3 +77,43 @@ def test_warming_past_its_deadline_does_nothing() -> None:
     frames, unwound, clock = warmed_rig([1], cost=0.01)
     assert not frames.warm_before_start(clock.now)
     assert unwound.calls == []
+
+
+class FakeUnwinder:
+    """Every blocked thread unwinds to the same two addresses, to the stack's end."""
+
+    def unwind_blocked(self, pid: int, tid: int, bp: int | None = None, *,
+                       saved: Any = None) -> UnwindResult:
+        return UnwindResult((0x1000, 0x2000), StopReason.OUTERMOST)
+
+
+class FakeSymbols:
+    """Names addresses once `loaded`; until then each is a bare address. Counts calls."""
+
+    def __init__(self) -> None:
+        self.loaded = False
+        self.calls = 0
+
+    def resolve_stack(self, pid: int, addrs: Any, *, deadline: float | None = None,
+                      start: int | None = None) -> tuple[Frame, ...]:
+        self.calls += 1
+        return tuple(Frame(f"f{a:x}" if self.loaded else f"{a:#x}") for a in addrs)
+
+
+def test_an_unwound_block_is_symbolized_until_every_frame_is_named_then_kept() -> None:
+    """A thread blocked for hours is shown at every snapshot: its frames are named
+    again only while a name is missing (a big file's symbols may come later)."""
+    symbols = FakeSymbols()
+    stacks = UnwoundStacks(FakeUnwinder(), symbols, clock=FakeClock())  # type: ignore[arg-type]
+    assert stacks.unwind(7, 70, 1234, 0, until=1.0)
+    first = stacks.frames(70, 1234, None)
+    assert first is not None and all(f.unknown for f in first)
+    assert stacks.frames(70, 1234, None) == first and symbols.calls == 2  # tried again
+    symbols.loaded = True
+    named = stacks.frames(70, 1234, None)
+    assert named is not None and [f.name for f in named] == ["f1000", "f2000"]
+    for _ in range(5):
+        assert stacks.frames(70, 1234, None) == named
+    assert symbols.calls == 3  # kept once named
+    assert stacks.frames(70, 1234, None, pop=True) == named  # the long block's event takes it
+    assert stacks.frames(70, 1234, None) is None and symbols.calls == 3

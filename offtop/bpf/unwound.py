@@ -5,8 +5,11 @@ whole user stack can be read then (offtop.unwind), also for code built
 without frame pointers. Each block is unwound once, within a time budget,
 and kept by (tid, switch-out time), which is also what its long-block event
 carries (its end minus its duration): the event then shows the whole stack.
-Addresses are kept, not frames, and symbolized at each use: a big file's
-symbols may take a few sub-ticks' budgets to load.
+Addresses are kept, and symbolized at each use until every frame has a name
+(a big file's symbols may take a few sub-ticks' budgets to load); from then
+on the frames are kept too. A thread blocked for hours is shown at every
+snapshot: symbolizing its stack each time was a tenth of an idle offtop's
+work.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class UnwoundStacks:
         self._clock = clock
         self._max = max_kept
         self._blocks: dict[tuple[int, int], tuple[int, UnwindResult]] = {}
+        #: The frames of blocks whose every frame has a name (see the module docstring).
+        self._named: dict[tuple[int, int], tuple[Frame, ...]] = {}
 
     def unwind(self, pid: int, tid: int, ts: int, ubp: int, until: float) -> bool:
         """Unwind block (tid, ts) unless done already or past `until`; True if it is known."""
@@ -64,8 +69,19 @@ class UnwoundStacks:
         hit = self._blocks.pop(key, None) if pop else self._blocks.get(key)
         if hit is None:
             return None
+        named = self._named.pop(key, None) if pop else self._named.get(key)
+        if named is not None:
+            return named
         pid, r = hit
         frames = self._symbols.resolve_stack(pid, r.addresses, deadline=deadline)
+        if not any(f.unknown for f in frames) and not pop:
+            self._named[key] = frames = self._marked(r, frames)
+            return frames
+        return self._marked(r, frames)
+
+    @staticmethod
+    def _marked(r: UnwindResult, frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
+        """`frames` with the mark of why the walk ended short, if it did."""
         if r.stop_reason == StopReason.MAX_FRAMES:
             return (*frames, Frame(name=MARK_DEPTH_LIMIT))
         if not r.complete and not (frames and frames[-1].name == MARK_TRUNCATED):
@@ -77,3 +93,4 @@ class UnwoundStacks:
         if len(self._blocks) > self._max:
             for key in list(self._blocks)[: len(self._blocks) - self._max // 2]:
                 del self._blocks[key]
+                self._named.pop(key, None)
