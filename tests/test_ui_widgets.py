@@ -13,6 +13,7 @@ import pytest
 from rich.text import Text
 from textual import events
 from textual.app import App, ComposeResult
+from textual.containers import Container
 from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
@@ -460,6 +461,39 @@ async def test_two_line_rows_and_a_cursor_only_while_focused() -> None:
         assert screen_lines(table)[-2:] == [" task 9", " waits in f9"]
 
 
+class FadingApp(App[None]):
+    """A table in a box that the app's class fades (as the panes are while loading)."""
+
+    CSS = "FadingApp.-faded #box { opacity: 50%; }"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = NumberTable()
+
+    def compose(self) -> ComposeResult:
+        with Container(id="box"):
+            yield self.table
+
+
+async def test_a_table_is_drawn_in_its_ancestors_styles_as_they_change() -> None:
+    """A table keeps its line styles between render passes (deriving them is dear),
+    yet a change to an ancestor alone, of which Textual gives the table no
+    notice, reaches its lines: faded with the box, and back."""
+    app = FadingApp()
+    async with app.run_test(size=(40, 10)) as pilot:
+        table = app.table
+        table.sync_rows([(f"k{i}", (f"n{i}", i)) for i in range(3)])
+        await pilot.pause()
+        clear = backgrounds(table, 2)
+        app.set_class(True, "-faded")
+        await pilot.pause()
+        faded = backgrounds(table, 2)
+        assert faded != clear
+        app.set_class(False, "-faded")
+        await pilot.pause()
+        assert backgrounds(table, 2) == clear
+
+
 async def test_task_table_header_click_sorts() -> None:
     table = TaskTable()
     app = TableApp(table)
@@ -659,6 +693,38 @@ async def test_the_log_follows_the_newest_until_moved_and_counts_all() -> None:
         assert str(log.border_subtitle) == "48 seen · newest 10 listed · 3 lost"
         await pilot.press("home", "enter")
         assert app.chosen[-1].comm == "t0"
+
+
+async def test_new_blocks_redraw_only_their_lines_while_the_view_stays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log with room: new blocks redraw their own lines and the newest line before
+    them (a following cursor leaves it), not the lines above; once the view moves
+    (the log is full), it is drawn again whole."""
+    asked: list[tuple[Region, ...]] = []
+    refresh = Widget.refresh
+
+    def recording(self: Widget, *regions: Region, **kw: Any) -> Any:
+        if isinstance(self, LongBlocksLog):
+            asked.append(regions)
+        return refresh(self, *regions, **kw)
+
+    monkeypatch.setattr(Widget, "refresh", recording)
+    app = LogApp()
+    async with app.run_test(size=(60, 8)) as pilot:
+        log = app.log_widget
+        log.arrived = Taken(tuple(blocks(0, 3)), seen=3, lost=0, notices=())
+        await pilot.pause()
+        asked.clear()
+        log.arrived = Taken(tuple(blocks(3, 2)), seen=2, lost=0, notices=())
+        # Lines 2-4: the newest before, then the two new (and the titles' border lines).
+        assert () not in asked and asked[-1] == (Region(0, 2, log.size.width, 3),), asked
+        await pilot.pause()
+        assert [line.split()[3] for line in log_lines(log)[:5]] == ["t0", "t1", "t2", "t3", "t4"]
+        asked.clear()
+        log.arrived = Taken(tuple(blocks(5, 4)), seen=4, lost=0, notices=())
+        assert () in asked  # the view moved: whole
+        await pilot.pause()
+        assert log_lines(log)[-1].split()[3] == "t8"
 
 
 async def test_the_log_keeps_the_newest_max_lines() -> None:

@@ -156,9 +156,25 @@ class _LineStyle:
 
 
 @dataclass(frozen=True, slots=True)
+class _Styles:
+    """The table's line styles, derived from its `rich_style` (`source`). Kept while
+    that is the same and Textual has not said the table's styles changed
+    (`notify_style_update`): each component style walks the ancestors again, and
+    the three took ~0.8 ms at every render pass of every table, a tick's worth of
+    drawing at the pacer. `rich_style` itself is read at each pass: an ancestor's
+    change (the faded panes while loading) reaches it without a notice to the table."""
+
+    source: Style
+    base: _LineStyle
+    cursor: _LineStyle
+    hover: _LineStyle
+    header: Style
+
+
+@dataclass(frozen=True, slots=True)
 class _Pass:
     """What every line of one render pass needs: styles and geometry (read
-    once: `rich_style` and the regions cost more than drawing a cached line)."""
+    once: the regions cost more than drawing a cached line)."""
 
     base: _LineStyle
     cursor: _LineStyle
@@ -429,6 +445,7 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
         self._cells: LRUCache[tuple[object, ...], tuple[Packed, ...]] = LRUCache(4096)
         self._lines: LRUCache[tuple[object, ...], tuple[Packed, int]] = LRUCache(1024)
         self._pass: _Pass | None = None
+        self._table_styles: _Styles | None = None
 
     # --- columns ----------------------------------------------------------
 
@@ -770,17 +787,35 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
         """Redraw the lines of row `row` if they are in view."""
         self._refresh_rows(range(row, row + 1))
 
-    def _pass_state(self) -> _Pass:
-        state = self._pass
-        if state is None:
-            base = self.rich_style
+    def notify_style_update(self) -> None:
+        """Styles changed (focus, a class, the theme): derive them again at the next pass."""
+        super().notify_style_update()
+        self._table_styles = None
+
+    def _styles_now(self) -> _Styles:
+        base = self.rich_style
+        styles = self._table_styles
+        if styles is None or styles.source != base:
             component = self.get_component_rich_style
-            scroll_x, scroll_y = self.scroll_offset
-            state = self._pass = _Pass(
+            styles = self._table_styles = _Styles(
+                source=base,
                 base=_LineStyle(base),
                 cursor=_LineStyle.over(base, component("line-table--cursor")),
                 hover=_LineStyle.over(base, component("line-table--hover")),
                 header=base + component("line-table--header"),
+            )
+        return styles
+
+    def _pass_state(self) -> _Pass:
+        state = self._pass
+        if state is None:
+            styles = self._styles_now()
+            scroll_x, scroll_y = self.scroll_offset
+            state = self._pass = _Pass(
+                base=styles.base,
+                cursor=styles.cursor,
+                hover=styles.hover,
+                header=styles.header,
                 cursor_shown=self._cursor_shown(),
                 width=self.size.width,
                 layout=self._layout(self.scrollable_content_region.width),

@@ -23,10 +23,12 @@ from collections import deque
 from typing import ClassVar
 
 from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
 from textual import events
 from textual.binding import Binding, BindingType
 from textual.cache import LRUCache
+from textual.geometry import Region
 from textual.message import Message
 from textual.reactive import var
 from textual.strip import Strip
@@ -148,6 +150,7 @@ class LongBlocksLog(TitledPane, can_focus=True):
         #: The number of the block under the cursor, or None for the newest.
         self._cursor: int | None = None
         self._strips: LRUCache[tuple[object, ...], Strip] = LRUCache(256)
+        self._base: Style | None = None  # the style of the render pass under way
         #: Long blocks that arrived (listed or not), and events the ring lost.
         self.seen = 0
         self.lost = 0
@@ -180,7 +183,8 @@ class LongBlocksLog(TitledPane, can_focus=True):
             self.refresh()
         self.seen += taken.seen
         self.lost += taken.lost
-        end = self._end
+        top, old_end = self._view_top(), self._end
+        end = old_end
         for block in taken.blocks:
             self._blocks.append(block)
             end += 1
@@ -190,8 +194,16 @@ class LongBlocksLog(TitledPane, can_focus=True):
         if self._cursor is not None and self._cursor < self._first:
             self._cursor = self._first
         self._update_titles()
-        if taken.blocks:
-            self.refresh()
+        if not taken.blocks:
+            return
+        if taken.restarted or self._view_top() != top:
+            self.refresh()  # the lines in view moved
+            return
+        # The view stayed: only the new lines change, and the newest one before
+        # them, which a following cursor leaves (the rest is drawn already: a
+        # whole refresh drew every line again, at every tick with blocks).
+        y = max(old_end - 1, top) - top
+        self.refresh(Region(0, y, self.size.width, self._end - top - y))
 
     @property
     def _end(self) -> int:
@@ -315,10 +327,19 @@ class LongBlocksLog(TitledPane, can_focus=True):
         return long_block_line(block, show_kernel=self.show_kernel, show_user=self.show_user,
                                width=width)
 
+    def render_lines(self, crop: Region) -> list[Strip]:
+        """Read the style once for the lines of this pass (`rich_style` walks every
+        ancestor: per line, it was most of the log's drawing)."""
+        self._base = self.rich_style
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._base = None
+
     def render_line(self, y: int) -> Strip:
         """Line `y`: the block at that place in view, from a cached strip."""
         width = self.size.width
-        base = self.rich_style
+        base = self._base if self._base is not None else self.rich_style
         number = self._view_top() + y
         if not self._first <= number < self._end:
             return Strip.blank(width, base)
