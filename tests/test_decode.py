@@ -109,6 +109,34 @@ def test_generation_sums_read_each_field_of_this_generations_slots() -> None:
     assert decode.generation_sums(buf, touched, 2, 6) == []
 
 
+def test_owned_slots_are_found_by_their_taken_bytes_and_freed_byte_first() -> None:
+    """Only slots whose byte says claimed are read (the rest of the array is never
+    walked); one being released as it is read (tid 0 already) is left out. Freeing
+    a slot clears its byte, then its tid, and only if it still holds that tid."""
+    size = ct.sizeof(decode.StartRecord)
+    slots = 64
+    buf = bytearray(slots * size)
+    taken = bytearray(slots)
+
+    def put(slot: int, tid: int, *, byte: int) -> None:
+        rec = decode.StartRecord(ts=tid * 10, tid=tid, tgid=tid + 1, ustack=3, kstack=-1)
+        buf[slot * size:(slot + 1) * size] = bytes(rec)
+        taken[slot] = byte
+
+    put(3, 300, byte=1)
+    put(40, 4000, byte=1)
+    put(41, 4100, byte=0)  # claimed a moment ago, its byte not set yet: next time
+    put(63, 0, byte=1)     # released as it is read: its tid is 0 already
+    got = decode.owned_slots(buf, taken, slots)
+    assert [(i, r.tid, r.tgid, r.ts) for i, r in got] == [(3, 300, 301, 3000),
+                                                          (40, 4000, 4001, 40000)]
+    decode.free_slot(buf, taken, 40, 4001)  # another thread's now: left alone
+    assert taken[40] == 1 and decode.owned_slots(buf, taken, slots)[1][1].tid == 4000
+    decode.free_slot(buf, taken, 40, 4000)
+    assert taken[40] == 0 and decode.StartRecord.from_buffer_copy(buf, 40 * size).tid == 0
+    assert [i for i, _ in decode.owned_slots(buf, taken, slots)] == [3]
+
+
 def test_states_and_flags() -> None:
     assert decode.state_name(0x2) == "D" and decode.state_name(0x100) == "R"
     assert decode.state_name(0x1 | decode.ST_BEFORE_START) == "S"

@@ -7,7 +7,6 @@ check in the tests keeps them honest. Nothing here talks to the kernel.
 from __future__ import annotations
 
 import ctypes as ct
-import itertools
 import struct
 from typing import Any
 
@@ -196,32 +195,42 @@ def generation_sums(buf: Any, touched: Any, slots: int, gen: int) -> list[tuple[
     return out
 
 
-# Where start_rec.tid sits, for scanning and freeing slots of offcpu_slots.
+# Where start_rec.tid sits, for freeing slots of offcpu_slots.
 START_TID_OFFSET = StartRecord.tid.offset
 _U64 = struct.Struct("<Q")
 
 
-def owned_slots(buf: Any, slots: int) -> list[tuple[int, StartRecord]]:
-    """(slot index, record) of every taken slot in offcpu_slots' raw bytes.
+def owned_slots(buf: Any, taken: Any, slots: int) -> list[tuple[int, StartRecord]]:
+    """(slot index, record) of every claimed slot in offcpu_slots' raw bytes.
 
-    `buf` is the mmap of the array (`slots` records back to back). The tid
-    column is read with one strided view, so only taken slots cost Python.
+    `buf` is the mmap of the array (`slots` records back to back), `taken`
+    offcpu_slot_taken's bytes (a byte per slot, 1 while claimed): they are
+    searched with `find` (memchr speed), so only claimed slots cost Python.
+    A slot being released as it is read (its tid 0 already) is left out.
     """
     size = ct.sizeof(StartRecord)
-    words = memoryview(buf)[: slots * size].cast("Q")
-    tids = words[START_TID_OFFSET // 8:: size // 8]
-    return [(i, StartRecord.from_buffer_copy(buf, i * size))
-            for i in itertools.compress(range(slots), tids)]
+    find = taken.find
+    out = []
+    at = find(b"\x01", 0, slots)
+    while at >= 0:
+        rec = StartRecord.from_buffer_copy(buf, at * size)
+        if rec.tid:
+            out.append((at, rec))
+        at = find(b"\x01", at + 1, slots)
+    return out
 
 
-def free_slot(buf: Any, index: int, tid: int) -> None:
+def free_slot(buf: Any, taken: Any, index: int, tid: int) -> None:
     """Give back slot `index` if it still holds `tid` (a thread gone for good).
 
-    One aligned 8-byte store; the probe claims slots with a compare-and-swap
-    on this word, so it either sees the slot still held or free.
+    Its byte in `taken` is cleared first, then the tid with one aligned 8-byte
+    store, as the probe releases a slot (offcpu.c drop_rec): the probe claims
+    slots with a compare-and-swap on the tid, then sets the byte, so a slot
+    claimed again at once ends with its byte set.
     """
     at = index * ct.sizeof(StartRecord) + START_TID_OFFSET
     if _U64.unpack_from(buf, at)[0] == tid:
+        taken[index] = 0
         _U64.pack_into(buf, at, 0)
 
 

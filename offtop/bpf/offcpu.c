@@ -102,7 +102,7 @@ struct waker {
 };
 
 // One per thread seen switching out. Mirrored by decode.StartRecord (Python
-// scans the slot array with decode.owned_slots). ts == 0: the
+// finds the claimed slots with decode.owned_slots). ts == 0: the
 // thread is on a CPU, or was not recorded at its last switch-out (state not
 // asked for, or skip). tid == 0: a free slot.
 struct start_rec {
@@ -259,6 +259,13 @@ BPF_TABLE("lru_hash", struct rule_key, u64, unwind_rules, 65536);
 // sched_process_free; Python frees any that a missed event left behind.
 #define SLOT_PROBES 4
 BPF_F_TABLE("array", u32, struct start_rec, offcpu_slots, OFFTOP_SLOTS, BPF_F_MMAPABLE);
+// A byte per slot, 1 while it is claimed: Python finds the claimed slots by
+// searching these bytes (memchr speed, as with offcpu_touched) rather than by
+// walking every slot's tid (65,536 words: 1.6-3.6 ms of Python per snapshot).
+// Set after the claim, cleared before the release: x86-64 makes one CPU's
+// stores visible in order and the claim is a locked compare-and-swap, so a
+// slot claimed again at once ends with its byte set.
+BPF_F_TABLE("array", u32, u64, offcpu_slot_taken, OFFTOP_SLOTS / 8, BPF_F_MMAPABLE);
 // Threads that found no free slot among their SLOT_PROBES.
 // Also where Python seeds the records of threads blocked before it started.
 BPF_HASH(offcpu_start, u32, struct start_rec, 16384);
@@ -341,6 +348,15 @@ static __always_inline struct start_rec *find_rec_at(u32 tid, u32 *slot)
     return offcpu_start.lookup(&tid);
 }
 
+// offcpu_slot_taken's byte of slot `idx`.
+static __always_inline void mark_slot(u32 idx, u8 taken)
+{
+    u32 wi = idx / 8;
+    u64 *w = offcpu_slot_taken.lookup(&wi);
+    if (w)
+        ((u8 *)w)[idx % 8] = taken;
+}
+
 // A free slot near `tid`, claimed for it (NULL: none free).
 static __always_inline struct start_rec *claim_slot(u32 tid)
 {
@@ -348,8 +364,10 @@ static __always_inline struct start_rec *claim_slot(u32 tid)
     for (u32 i = 0; i < SLOT_PROBES; i++) {
         u32 idx = (tid + i) % OFFTOP_SLOTS;
         struct start_rec *r = offcpu_slots.lookup(&idx);
-        if (r && r->tid == 0 && __sync_val_compare_and_swap(&r->tid, 0, (u64)tid) == 0)
+        if (r && r->tid == 0 && __sync_val_compare_and_swap(&r->tid, 0, (u64)tid) == 0) {
+            mark_slot(idx, 1);
             return r;
+        }
     }
     return NULL;
 }
@@ -376,6 +394,7 @@ static __always_inline void drop_rec(u32 tid)
         struct start_rec *r = offcpu_slots.lookup(&idx);
         if (r && r->tid == tid) {
             r->ts = 0;
+            mark_slot(idx, 0);
             // Release last: a thread may claim the slot as soon as it reads 0.
             __sync_val_compare_and_swap(&r->tid, (u64)tid, 0);
         }

@@ -138,6 +138,7 @@ class Probe:
         self.slots_mm: mmap.mmap | None = None
         self._acc_mm: mmap.mmap | None = None
         self._touched_mm: mmap.mmap | None = None
+        self._taken_mm: mmap.mmap | None = None
         self.prog_fd = -1
         self._gen = 0
         self._stack_readers: dict[str, ElementReader] = {}
@@ -194,6 +195,8 @@ class Probe:
         # A byte per slot and parity, then offcpu.c's AGG_USED_WORD.
         self._touched_mm = mmap.mmap(self._map("offcpu_touched").fd, 2 * n + 8,
                                      mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._taken_mm = mmap.mmap(self._map("offcpu_slot_taken").fd, n,
+                                   mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def set_perf_fd(self, cpu: int, fd: int, *, ring: str = "offcpu_events") -> None:
         """Point the slot for `cpu` of the program's perf event array `ring` (its
@@ -244,10 +247,10 @@ class Probe:
             self._detach_asked.set()
             self._detacher.join()
             self._detacher = None
-        for mm in (self.slots_mm, self._acc_mm, self._touched_mm):
+        for mm in (self.slots_mm, self._acc_mm, self._touched_mm, self._taken_mm):
             if mm is not None:
                 mm.close()
-        self.slots_mm = self._acc_mm = self._touched_mm = None
+        self.slots_mm = self._acc_mm = self._touched_mm = self._taken_mm = None
         if self._obj is not None:
             self._obj.close()  # tracepoints detached in parallel (see LoadedObject.detach_all)
             self._obj = None
@@ -378,9 +381,9 @@ class Probe:
 
         slot -1: the record lives in the overflow hash (no free slot was near).
         """
-        assert self.slots_mm is not None
-        out = [(int(v.tid), v, i)
-               for i, v in owned_slots(self.slots_mm, self.config.start_entries)]
+        assert self.slots_mm is not None and self._taken_mm is not None
+        slots = owned_slots(self.slots_mm, self._taken_mm, self.config.start_entries)
+        out = [(int(v.tid), v, i) for i, v in slots]
         out += [(_U32.unpack(k)[0], StartRecord.from_buffer_copy(v), -1)
                 for k, v in self._map("offcpu_start").items()]
         return out
@@ -388,8 +391,8 @@ class Probe:
     def free_record(self, tid: int, slot: int) -> None:
         """Drop the record of a thread that is gone (a missed sched_process_free)."""
         if slot >= 0:
-            assert self.slots_mm is not None
-            free_slot(self.slots_mm, slot, tid)
+            assert self.slots_mm is not None and self._taken_mm is not None
+            free_slot(self.slots_mm, self._taken_mm, slot, tid)
         else:
             self._map("offcpu_start").delete(_U32.pack(tid))
 
