@@ -117,3 +117,30 @@ def test_an_unwound_block_is_symbolized_until_every_frame_is_named_then_kept() -
     assert symbols.calls == 3  # kept once named
     assert stacks.frames(70, 1234, None, pop=True) == named  # the long block's event takes it
     assert stacks.frames(70, 1234, None) is None and symbols.calls == 3
+
+
+class FailingUnwinder:
+    """A thread whose registers cannot be read (another user's /proc files). Counts calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def unwind_blocked(self, pid: int, tid: int, bp: int | None = None, *,
+                       saved: Any = None) -> UnwindResult:
+        self.calls += 1
+        return UnwindResult((), StopReason.NOT_BLOCKED)
+
+
+def test_a_block_that_cannot_be_unwound_is_tried_again_only_now_and_then() -> None:
+    clock = FakeClock()
+    unwinder = FailingUnwinder()
+    stacks = UnwoundStacks(unwinder, FakeSymbols(), clock=clock)  # type: ignore[arg-type]
+    for _ in range(5):  # five snapshots within a few seconds
+        assert not stacks.unwind(1, 10, 555, 0, until=clock.now + 1)
+        clock.now += 1.0
+    assert unwinder.calls == 1
+    clock.now += UnwoundStacks.RETRY_S
+    assert not stacks.unwind(1, 10, 555, 0, until=clock.now + 1)
+    assert unwinder.calls == 2
+    assert not stacks.unwind(1, 10, 556, 0, until=clock.now + 1)  # another block: tried
+    assert unwinder.calls == 3

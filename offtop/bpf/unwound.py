@@ -35,6 +35,9 @@ class Symbolizer(Protocol):
 class UnwoundStacks:
     """Blocks unwound while they last (see the module docstring)."""
 
+    #: A block that could not be unwound is tried again after this long.
+    RETRY_S = 10.0
+
     def __init__(self, unwinder: Unwinder, symbols: Symbolizer, *,
                  clock: Callable[[], float], max_kept: int = 4096,
                  saved: Callable[[int], SavedRegs | None] | None = None) -> None:
@@ -46,19 +49,27 @@ class UnwoundStacks:
         self._blocks: dict[tuple[int, int], tuple[int, UnwindResult]] = {}
         #: The frames of blocks whose every frame has a name (see the module docstring).
         self._named: dict[tuple[int, int], tuple[Frame, ...]] = {}
+        #: Blocks that could not be unwound, and when to try again (`RETRY_S`).
+        self._failed: dict[tuple[int, int], float] = {}
 
     def unwind(self, pid: int, tid: int, ts: int, ubp: int, until: float) -> bool:
         """Unwind block (tid, ts) unless done already or past `until`; True if it is known."""
         key = (tid, ts)
         if key in self._blocks:
             return True
-        if self._clock() > until:
+        now = self._clock()
+        if now > until or now < self._failed.get(key, now):
             return False
         # The probe took rbp when it saw the block begin; a block from before
         # the start has none: then the kernel's saved registers give it.
         r = self._unwinder.unwind_blocked(pid, tid, bp=ubp or None, saved=self._saved)
         if not r.addresses or r.stop_reason in (StopReason.NOT_BLOCKED, StopReason.THREAD_RAN):
+            # The block ended (a new one has another ts), or this one cannot be
+            # read (another user's /proc files): tried again only now and then,
+            # not at every snapshot of a block that lasts.
+            self._failed[key] = now + self.RETRY_S
             return False
+        self._failed.pop(key, None)
         self._blocks[key] = (pid, r)
         return True
 
@@ -94,3 +105,6 @@ class UnwoundStacks:
             for key in list(self._blocks)[: len(self._blocks) - self._max // 2]:
                 del self._blocks[key]
                 self._named.pop(key, None)
+        if len(self._failed) > self._max:
+            for key in list(self._failed)[: len(self._failed) - self._max // 2]:
+                del self._failed[key]
