@@ -783,6 +783,31 @@ async def test_the_header_keeps_three_lines_and_never_lays_the_screen_out_again(
         assert not any(layouts) and header.size.height == 3
 
 
+async def test_the_header_draws_again_only_the_lines_that_changed() -> None:
+    """Each line is drawn from its own text, cut with an ellipsis to the width; a
+    tick that leaves a line's text as it was reuses that line as drawn."""
+    app = HeaderApp()
+    snaps = synthetic_snapshots(3, tasks=10, stacks=20, seed=1)
+    quiet = [dataclasses.replace(s, stats=CaptureStats(interval_s=1.0)) for s in snaps]
+    async with app.run_test(size=(60, 5)) as pilot:
+        header = app.query_one(OfftopHeader)
+        header.index = SnapshotIndex(quiet[0])
+        await pilot.pause()
+        said = header.render().plain.split("\n")
+        drawn = [header.render_line(y) for y in range(3)]
+        width = header.size.width
+        assert [s.cell_length for s in drawn] == [width] * 3
+        for text, strip in zip(said, drawn, strict=True):  # cut to the width, or whole
+            shown = strip.text.rstrip()
+            assert shown == text.rstrip() or (shown.endswith("…")
+                                              and text.startswith(shown[:-1])), (shown, text)
+        header.index = SnapshotIndex(quiet[1])  # another time and seq: line 1 changes
+        await pilot.pause()
+        again = [header.render_line(y) for y in range(3)]
+        assert again[0] is not drawn[0] and again[0].text != drawn[0].text
+        assert again[2] is drawn[2]  # nothing new to say: drawn once
+
+
 # --- the threshold pane, menus --------------------------------------------------------------
 
 class ThresholdApp(App[None]):
