@@ -63,12 +63,12 @@ class LiveOfftop:
 
     @classmethod
     def start(cls, *args: str) -> LiveOfftop:
-        gc.collect()
-        gc.freeze()
         proc = subprocess.Popen(
             [sys.executable, "-m", "offtop.cli", "--batch", "--format", "json", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         )
+        gc.collect()
+        gc.freeze()  # after the Popen: a failed one leaves nothing frozen
         live = cls(proc)
         live.reader = threading.Thread(target=live._read, daemon=True)
         live.reader.start()

@@ -650,10 +650,7 @@ static __always_inline void account_block(void *args, u32 tid, u32 slot, struct 
     key.waker_what = rec->w.what;
 
     struct agg_val *val;
-    u32 used_word = AGG_USED_WORD;
-    u64 *used = offcpu_touched.lookup(&used_word);
-    if (used)
-        ((u8 *)used)[g & 1] = 1;
+    bool added = false;
     if (g & 1) {
         val = offcpu_agg1.lookup(&key);
         if (!val) {
@@ -662,6 +659,7 @@ static __always_inline void account_block(void *args, u32 tid, u32 slot, struct 
             __builtin_memcpy(init.waker_comm, rec->w.comm, sizeof(init.waker_comm));
             offcpu_agg1.insert(&key, &init);
             val = offcpu_agg1.lookup(&key);
+            added = true;
         }
     } else {
         val = offcpu_agg0.lookup(&key);
@@ -671,7 +669,17 @@ static __always_inline void account_block(void *args, u32 tid, u32 slot, struct 
             __builtin_memcpy(init.waker_comm, rec->w.comm, sizeof(init.waker_comm));
             offcpu_agg0.insert(&key, &init);
             val = offcpu_agg0.lookup(&key);
+            added = true;
         }
+    }
+    if (added) {
+        // Marked on insert only: a key is in a generation's map only if it was
+        // added since Python last read and cleared that map (and its mark,
+        // after the flip, when nothing writes it any more).
+        u32 used_word = AGG_USED_WORD;
+        u64 *used = offcpu_touched.lookup(&used_word);
+        if (used)
+            ((u8 *)used)[g & 1] = 1;
     }
     if (!val) {
         count(C_AGG_FULL);

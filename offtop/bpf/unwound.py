@@ -15,7 +15,7 @@ work.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from offtop.model import MARK_DEPTH_LIMIT, MARK_TRUNCATED, Frame
 from offtop.unwind import StopReason, Unwinder, UnwindResult
@@ -84,11 +84,11 @@ class UnwoundStacks:
         if named is not None:
             return named
         pid, r = hit
-        frames = self._symbols.resolve_stack(pid, r.addresses, deadline=deadline)
-        if not any(f.unknown for f in frames) and not pop:
-            self._named[key] = frames = self._marked(r, frames)
-            return frames
-        return self._marked(r, frames)
+        named = self._symbols.resolve_stack(pid, r.addresses, deadline=deadline)
+        frames = self._marked(r, named)
+        if not pop and not any(f.unknown for f in named):
+            self._named[key] = frames
+        return frames
 
     @staticmethod
     def _marked(r: UnwindResult, frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
@@ -101,10 +101,13 @@ class UnwoundStacks:
 
     def trim(self) -> None:
         """Forget the oldest blocks beyond the bound (they ended unseen: short, or summed)."""
-        if len(self._blocks) > self._max:
-            for key in list(self._blocks)[: len(self._blocks) - self._max // 2]:
-                del self._blocks[key]
-                self._named.pop(key, None)
-        if len(self._failed) > self._max:
-            for key in list(self._failed)[: len(self._failed) - self._max // 2]:
-                del self._failed[key]
+        for key in _oldest_past(self._blocks, self._max):
+            del self._blocks[key]
+            self._named.pop(key, None)
+        for key in _oldest_past(self._failed, self._max):
+            del self._failed[key]
+
+
+def _oldest_past(d: dict[tuple[int, int], Any], bound: int) -> list[tuple[int, int]]:
+    """The oldest keys of `d` to drop, down to half of `bound`, once it is past it."""
+    return list(d)[: len(d) - bound // 2] if len(d) > bound else []

@@ -156,13 +156,11 @@ class OfftopHeader(Widget):
     def render(self) -> Text:
         """What the header says, its three lines in one text (it is drawn line by
         line: `render_line`)."""
-        lines = [self._capture_line(), self._health_line(), self._news_line()]
-        return Text("\n", no_wrap=True, overflow="ellipsis", end="").join(lines)
+        return Text("\n", no_wrap=True, overflow="ellipsis", end="").join(self._lines())
 
     def render_lines(self, crop: Region) -> list[Strip]:
         """The three lines are made once a pass, with the header's style."""
-        self._pass = (self._capture_line(), self._health_line(), self._news_line()), \
-            self.rich_style
+        self._pass = self._lines(), self.rich_style
         try:
             return super().render_lines(crop)
         finally:
@@ -173,8 +171,7 @@ class OfftopHeader(Widget):
         only when that changed: a tick changes the first two lines, and drawing
         the three through a renderable (Rich text to Textual content to strips)
         cost ~0.7 ms a line, the most of any widget at the pacer."""
-        texts, base = self._pass or ((self._capture_line(), self._health_line(),
-                                      self._news_line()), self.rich_style)
+        texts, base = self._pass or (self._lines(), self.rich_style)
         width = self.size.width
         if not 0 <= y < len(texts) or width <= 0:
             return Strip.blank(max(width, 0), base)
@@ -189,6 +186,9 @@ class OfftopHeader(Widget):
         strip = Strip(segments).crop_extend(0, width, base)
         self._strips[y] = (key, strip)
         return strip
+
+    def _lines(self) -> tuple[Text, Text, Text]:
+        return self._capture_line(), self._health_line(), self._news_line()
 
     def _capture_line(self) -> Text:
         info, index = self.info, self.index

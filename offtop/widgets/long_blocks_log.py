@@ -180,7 +180,6 @@ class LongBlocksLog(TitledPane, can_focus=True):
             self._first, self._top, self._cursor = 0, None, None
             self.seen = self.lost = 0
             self._strips.clear()
-            self.refresh()
         self.seen += taken.seen
         self.lost += taken.lost
         top, old_end = self._view_top(), self._end
@@ -194,10 +193,10 @@ class LongBlocksLog(TitledPane, can_focus=True):
         if self._cursor is not None and self._cursor < self._first:
             self._cursor = self._first
         self._update_titles()
-        if not taken.blocks:
+        if not (taken.blocks or taken.restarted):
             return
         if taken.restarted or self._view_top() != top:
-            self.refresh()  # the lines in view moved
+            self.refresh()  # the lines in view moved (or are of another time)
             return
         # The view stayed: only the new lines change, and the newest one before
         # them, which a following cursor leaves (the rest is drawn already: a
