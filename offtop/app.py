@@ -299,6 +299,10 @@ class OfftopApp(App[int]):
                 self.notices = taken.notices[-3:]
         self.call_after_refresh(self.pump.fold_since_start)
 
+    def watch_hide_idle(self, hide: bool) -> None:
+        # Each snapshot's idle pass is then made with its index, off the event loop.
+        self.pump.idle_hidden = hide
+
     def _each_second(self) -> None:
         self._check_stall()
         # Paused, or no data coming: the GC's full passes still come.

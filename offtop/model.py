@@ -14,7 +14,7 @@ import heapq
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 from offtop.recent import Recent
 
@@ -960,6 +960,15 @@ class ChainCatalog:
         self._by_id.put(key, (kernel, user, info))
         return info
 
+    def infos(self, stacks: Sequence[StackRow]) -> list[ChainInfo]:
+        """`info` of each stack's chain: those kept looked up in one pass (a merge
+        or the idle pass asks for every stack of a snapshot, 20,000 at times)."""
+        kernels = [s.kernel for s in stacks]
+        users = [s.user for s in stacks]
+        found = self._by_id.get_many(list(zip(map(id, kernels), map(id, users), strict=True)))
+        return [hit[2] if hit is not None and hit[0] is k and hit[1] is u else self.info(k, u)
+                for hit, k, u in zip(found, kernels, users, strict=True)]
+
     def text(self, stack: StackRow) -> str:
         """The chain's frame names, casefolded, for searching."""
         chain = self.info(stack.kernel, stack.user).chain
@@ -997,6 +1006,9 @@ class SnapshotIndex:
     changed once made; used from the event loop only once posted.
     """
 
+    #: `facts_of` this many stacks or more keeps the facts of all (see there).
+    MANY_STACKS: ClassVar[int] = 1_000
+
     def __init__(self, snapshot: Snapshot, catalog: ChainCatalog | None = None) -> None:
         self.snapshot = snapshot
         # Not `catalog or ...`: an empty catalog is falsy (it has a length), and the
@@ -1009,7 +1021,7 @@ class SnapshotIndex:
         self._hottest: dict[RowKey, StackRow] | None = None
         self._idle_ns: dict[RowKey, int] | None = None
         # The snapshot's rows are alive as long as the index: their ids are theirs.
-        self._idle_rows: dict[int, bool] | None = None
+        self._facts: dict[int, ChainInfo] | None = None
         self._matches: tuple[str, frozenset[int], frozenset[int]] | None = None
 
     @classmethod
@@ -1044,6 +1056,25 @@ class SnapshotIndex:
         """The chain facts of a stack (of this snapshot or any other)."""
         return self.catalog.info(stack.kernel, stack.user)
 
+    def facts_of(self, stacks: Sequence[StackRow]) -> list[ChainInfo]:
+        """`facts` of each of `stacks`, in one pass. Asked for many (a merge of all
+        stacks, the idle pass), the facts of every stack of the snapshot are kept
+        by the stack's identity (alive as long as the index): a second merge, or
+        a merge after the idle pass, then finds each with one dict lookup."""
+        known = self._facts
+        if known is None:
+            if len(stacks) < self.MANY_STACKS:
+                return self.catalog.infos(stacks)
+            every = self.snapshot.stacks
+            known = self._facts = dict(zip(map(id, every), self.catalog.infos(every),
+                                           strict=True))
+        out = list(map(known.get, map(id, stacks)))
+        if None in out:  # not of this snapshot (since-start rows)
+            more = iter(self.catalog.infos([s for s, f in zip(stacks, out, strict=True)
+                                            if f is None]))
+            return [f if f is not None else next(more) for f in out]
+        return cast("list[ChainInfo]", out)
+
     def counterpart(self, key: RowKey) -> RowKey | None:
         """The row of the other mode for the same task: a thread's process,
         or a process's main thread (else its hottest thread)."""
@@ -1070,23 +1101,30 @@ class SnapshotIndex:
 
     def is_idle(self, stack: StackRow) -> bool:
         """`is_idle_wait` of a stack (of this snapshot: looked up, not worked out)."""
-        if self._idle_rows is None:
+        if self._idle_ns is None:
             self._find_idle()
-        assert self._idle_rows is not None
-        known = self._idle_rows.get(id(stack))
-        return known if known is not None else self.catalog.info(stack.kernel, stack.user).idle
+        assert self._facts is not None
+        known = self._facts.get(id(stack))
+        return (known or self.catalog.info(stack.kernel, stack.user)).idle
+
+    def prepare_idle(self) -> None:
+        """Work out what hiding idle waits needs now (the pump does, off the event
+        loop, while idle waits are hidden), not at its first use."""
+        if self._idle_ns is None:
+            self._find_idle()
 
     def _find_idle(self) -> None:
         """One pass over the snapshot for what hiding idle waits needs."""
         idle_ns: dict[RowKey, int] = {}
-        rows: dict[int, bool] = {}
-        info = self.catalog.info
-        for s in self.snapshot.stacks:
-            idle = rows[id(s)] = info(s.kernel, s.user).idle
-            if idle:
+        stacks = self.snapshot.stacks
+        if self._facts is None:
+            self._facts = dict(zip(map(id, stacks), self.catalog.infos(stacks), strict=True))
+        facts = self._facts
+        for s in stacks:
+            if facts[id(s)].idle:
                 for k in (RowKey.thread(s.tid), RowKey.process(s.pid)):
                     idle_ns[k] = idle_ns.get(k, 0) + s.offcpu_ns
-        self._idle_ns, self._idle_rows = idle_ns, rows
+        self._idle_ns = idle_ns
 
     def frames_contain(self, key: RowKey, text: str) -> bool:
         """True if a stack of the thread or process has a frame containing `text`
@@ -1115,38 +1153,43 @@ class SnapshotIndex:
 
 
 def merge_identical(stacks: Sequence[StackRow], by: MergeBy,
-                    facts: Callable[[StackRow], ChainInfo],
+                    facts_of: Callable[[Sequence[StackRow]], list[ChainInfo]],
                     limit: int | None = None) -> tuple[list[MergedStack], int]:
     """Sum stacks with the same state and frames: within a process, or across
     processes with the same comm (`by`). Returns the heaviest `limit` (all
     by default), most off-CPU time first, and how many there are in all.
 
-    `facts(stack)` gives each stack's chain (a `SnapshotIndex.facts`), so
-    equal chains are told by one number, not by comparing frames. `stacks`
+    `facts_of(stacks)` gives each stack's chain (a `SnapshotIndex.facts_of`),
+    so equal chains are told by one number, not by comparing frames. `stacks`
     are ranked already (as a snapshot's are): unmerged, the first `limit`.
     """
     if by == "none":
         return [MergedStack(s) for s in stacks[:limit]], len(stacks)
-    groups: dict[tuple[object, ...], list[StackRow]] = {}
-    for s in stacks:
-        owner: object = s.pid if by == "process" else s.comm
-        key = (owner, s.state, s.before_start, facts(s).chain)
+    groups: dict[tuple[int | str, str, bool, int], list[StackRow]] = {}
+    totals: dict[tuple[int | str, str, bool, int], int] = {}
+    by_process = by == "process"
+    for s, info in zip(stacks, facts_of(stacks), strict=True):
+        key = (s.pid if by_process else s.comm, s.state, s.before_start, info.chain)
         group = groups.get(key)
         if group is None:
             groups[key] = [s]
+            totals[key] = s.offcpu_ns
         else:
             group.append(s)
-    heaviest: Iterable[list[StackRow]] = groups.values()
+            totals[key] += s.offcpu_ns
+    heaviest: Iterable[tuple[int | str, str, bool, int]] = groups
     if limit is not None and len(groups) > limit:
-        heaviest = heapq.nlargest(limit, heaviest, key=lambda g: sum(s.offcpu_ns for s in g))
+        heaviest = heapq.nlargest(limit, totals, key=totals.__getitem__)
     out = []
-    for members in heaviest:
-        top = members[0]
-        if len(members) > 1:
-            top = max(members, key=lambda s: s.offcpu_ns)
-            top = dataclasses.replace(
-                top, offcpu_ns=sum(s.offcpu_ns for s in members),
-                count=sum(s.count for s in members), max_ns=max(s.max_ns for s in members))
+    for group_key in heaviest:
+        members = groups[group_key]
+        top = members[0]  # ranked: the hottest member (the first of equals)
+        if len(members) == 1:
+            out.append(MergedStack(top))
+            continue
+        top = StackRow(top.pid, top.tid, top.comm, top.state, totals[group_key],
+                       sum([s.count for s in members]), max([s.max_ns for s in members]),
+                       top.kernel, top.user, top.before_start, top.wakers)
         out.append(MergedStack(top, threads=len({s.tid for s in members}),
                                processes=len({s.pid for s in members})))
     out.sort(key=lambda m: (-m.row.offcpu_ns, m.row.tid, m.row.state))

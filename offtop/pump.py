@@ -85,6 +85,9 @@ class SnapshotPump:
         self.stopping = threading.Event()
         self.catalog = ChainCatalog()
         self._published = 0
+        #: Idle waits are hidden: each index is given its idle pass here, not on the
+        #: event loop at its first use (~20 ms at 20,000 stacks). Set by the app.
+        self.idle_hidden = False
         self.since_start = SinceStart()
         self.arrivals = Arrivals(max_blocks=LongBlocksLog.MAX_LINES)
         #: The source's own number of the interval published last (replays only).
@@ -144,6 +147,8 @@ class SnapshotPump:
         if self._published % self.CATALOG_GENERATION == 0:
             self.catalog.next_generation()
         index = SnapshotIndex(snap, self.catalog)
+        if self.idle_hidden:
+            index.prepare_idle()
         if restart:
             self.since_start.clear()
             self.arrivals.restart()

@@ -12,7 +12,7 @@ there, and moved back, at its next use.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -45,6 +45,15 @@ class Recent(Generic[K, V]):
             if value is not None:
                 self._now[key] = value
         return value
+
+    def get_many(self, keys: Sequence[K]) -> list[V | None]:
+        """`get` of each of `keys` (a pass over the newer generation, then `get`
+        for those not in it)."""
+        found = list(map(self._now.get, keys))
+        if self._before and None in found:
+            found = [self.get(key) if value is None else value
+                     for key, value in zip(keys, found, strict=True)]
+        return found
 
     def put(self, key: K, value: V) -> None:
         if len(self._now) + len(self._before) >= self._max:

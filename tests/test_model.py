@@ -4,6 +4,7 @@ views the TUI derives (row keys, the snapshot index, idle waits, merging, since 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from offtop.model import (
     Aggregator,
@@ -253,7 +254,7 @@ def test_identical_stacks_merge_across_threads_and_commands() -> None:
     rows = [stack(11, 100), stack(12, 50), stack(13, 70, pid=20), stack(21, 30, pid=30,
                                                                           comm="other"),
             stack(11, 10, EPOLL)]
-    facts = SnapshotIndex(build(Aggregator(), [])).facts
+    facts = SnapshotIndex(build(Aggregator(), [])).facts_of
     none, n = merge_identical(rows, "none", facts)
     assert [m.row.offcpu_ns for m in none] == [100, 50, 70, 30, 10] and n == 5
     assert merge_identical(rows, "none", facts, limit=2)[0] == none[:2]
@@ -268,6 +269,35 @@ def test_identical_stacks_merge_across_threads_and_commands() -> None:
         ("wl", 220, 3, 2), ("other", 30, 1, 1), ("wl", 10, 1, 1)] and n == 3
     top, n = merge_identical(rows, "command", facts, limit=1)
     assert top == by_command[:1] and n == 3
+
+
+def test_the_facts_of_many_stacks_are_worked_out_once_a_snapshot() -> None:
+    """A merge of all stacks (or the idle pass) asks for every stack's facts:
+    worked out once for the whole snapshot and kept by the stack, so the next
+    merge (idle waits hidden, merged another way) looks each up in one step.
+    Stacks of no snapshot (since-start rows) are worked out as before."""
+    many = tuple(stack(i, 5_000 - i, kf(f"k{i % 700}")) for i in range(1_500))
+    snap = Snapshot(seq=1, time=0.0, interval_s=1.0, threshold_ns=0, stacks=many)
+    catalog = ChainCatalog()
+    asked: list[int] = []
+    infos = catalog.infos
+
+    def counted(stacks: Any) -> Any:
+        asked.append(len(stacks))
+        return infos(stacks)
+    catalog.infos = counted  # type: ignore[method-assign]
+    index = SnapshotIndex(snap, catalog)
+    first = index.facts_of(many)
+    assert asked == [1_500] and len({f.chain for f in first}) == 700
+    assert index.facts_of(many[200:1_400]) == first[200:1_400] and asked == [1_500]
+    foreign = stack(1, 1, kf("k3"))
+    mixed = index.facts_of([many[3], foreign, many[4]])
+    assert asked == [1_500, 1] and mixed[1].chain == mixed[0].chain == first[3].chain
+    assert [m.row.offcpu_ns for m in merge_identical(many, "process", index.facts_of)[0][:2]
+            ] == [5_000 + 4_300 + 3_600, 4_999 + 4_299 + 3_599] and asked == [1_500, 1]
+    # Few stacks (a task's) are worked out as asked, nothing kept for the snapshot.
+    few = SnapshotIndex(snap, catalog)
+    assert few.facts_of(many[:5]) == first[:5] and asked[-1] == 5
 
 
 def test_the_index_filters_idle_waits_and_finds_frame_text() -> None:

@@ -220,3 +220,18 @@ def test_recent_is_bounded_over_both_generations() -> None:
     assert len(kept) == 4
     kept.put(11, "new")  # full: emptied first
     assert len(kept) == 1 and kept.get(11) == "new" and kept.get(0) is None
+
+
+def test_recent_get_many_finds_both_generations_and_keeps_what_it_found() -> None:
+    """`get_many` is `get` of each key: what it finds in the older generation is
+    moved into the newer (kept past the next rotation), what it misses stays missed."""
+    from offtop.recent import Recent
+
+    kept: Recent[int, str] = Recent(10)
+    kept.put(1, "one")
+    kept.put(2, "two")
+    kept.rotate()
+    kept.put(3, "three")
+    assert kept.get_many([3, 1, 9, 3]) == ["three", "one", None, "three"]
+    kept.rotate()  # 2 was not asked for over a generation: gone; 1 and 3 stay
+    assert kept.get_many([1, 2, 3]) == ["one", None, "three"]

@@ -14,7 +14,7 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +320,37 @@ async def test_start_failure_is_shown_and_q_quits() -> None:
         await pilot.pause()
     assert app.return_code == 0
     assert app.source_error is not None
+
+
+async def test_with_idle_waits_hidden_a_snapshot_is_given_its_idle_pass_off_the_event_loop(
+) -> None:
+    """Hiding idle waits needs a pass over every stack of a snapshot (~20 ms at
+    20,000): while they are hidden, it is made where the snapshot is indexed, in
+    the source's thread, not on the event loop at its first use."""
+    app = OfftopApp(fake_source(), clock=FakeClock())
+    on_loop: list[bool] = []
+    catalog = app.pump.catalog
+    infos = catalog.infos
+
+    def watched(stacks: Any) -> Any:
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        return infos(stacks)
+    catalog.infos = watched  # type: ignore[method-assign]
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        await pilot.press("i")
+        await pilot.pause()
+        assert app.hide_idle and app.pump.idle_hidden
+        on_loop.clear()
+        source_thread = threading.Thread(target=app.publish, args=(SNAPS[1],))
+        source_thread.start()
+        source_thread.join()
+        await shown(pilot, app, SNAPS[1].seq)
+        await pilot.pause()
+        assert on_loop == [False]
+        await pilot.press("i")
+        await pilot.pause()
+        assert not app.pump.idle_hidden
 
 
 async def test_a_failure_handling_a_snapshot_is_said_not_a_silent_stall() -> None:
@@ -695,14 +726,14 @@ async def test_a_merge_meeting_many_new_chains_works_them_out_in_a_thread_first(
     # Lowered from 2,000 so that the 200 synthetic stacks count as many.
     monkeypatch.setattr(StacksPane, "MERGE_ON_LOOP", 50)
     gate, on_loop = threading.Event(), threading.get_ident()
-    facts = SnapshotIndex.facts
+    facts_of = SnapshotIndex.facts_of
 
-    def gated_facts(self: SnapshotIndex, stack: StackRow) -> Any:
+    def gated_facts(self: SnapshotIndex, stacks: Sequence[StackRow]) -> Any:
         if threading.get_ident() != on_loop:
             assert gate.wait(10), "the test never opened the gate"
-        return facts(self, stack)
+        return facts_of(self, stacks)
 
-    monkeypatch.setattr(SnapshotIndex, "facts", gated_facts)
+    monkeypatch.setattr(SnapshotIndex, "facts_of", gated_facts)
     app = OfftopApp(fake_source(), clock=FakeClock())
     async with app.run_test(size=SIZE) as pilot:
         await shown_then(pilot, app, "a")

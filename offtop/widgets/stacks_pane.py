@@ -329,7 +329,7 @@ class StacksPane(ContentSwitcher, TitledPane):
                                              style="italic", end=""))
             return
         self._merge_drawn = drawn if self.merge != "none" else None
-        merged, in_all = merge_identical(stacks, self.merge, self.index.facts, limit)
+        merged, in_all = merge_identical(stacks, self.merge, self.index.facts_of, limit)
         rows = [(self._row_key(m), m) for m in merged]
         total = sum(s.offcpu_ns for s in stacks)
         self.query_one(StackTable).show(
@@ -355,9 +355,7 @@ class StacksPane(ContentSwitcher, TitledPane):
           description="chain numbers")
     def _learn_chains(self, stacks: list[StackRow], index: SnapshotIndex) -> None:
         """Work out the chains of `stacks` off the event loop."""
-        facts = index.facts
-        for s in stacks:
-            facts(s)
+        index.facts_of(stacks)
         self.post_message(self.ChainsLearned(index))
 
     @on(ChainsLearned)
