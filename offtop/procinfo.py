@@ -8,6 +8,7 @@ carrying it is exact and valid UTF-8: psutil decodes with surrogateescape
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -49,6 +50,13 @@ class ProcessInfoCache:
     def __init__(self, max_entries: int = 8192) -> None:
         self._cache: dict[tuple[int, float], ProcessInfo] = {}
         self._max = max_entries
+
+    def forget_gone(self, start_time: Callable[[int], int | None]) -> int:
+        """Drop the processes gone (`start_time(pid)` None); return how many."""
+        gone = [key for key in self._cache if start_time(key[0]) is None]
+        for key in gone:
+            del self._cache[key]
+        return len(gone)
 
     def user_and_cmdline(self, pid: int) -> tuple[str, str] | None:
         """(user, command line) of a live process, for `Aggregator.build`."""

@@ -144,3 +144,17 @@ def test_a_block_that_cannot_be_unwound_is_tried_again_only_now_and_then() -> No
     assert unwinder.calls == 2
     assert not stacks.unwind(1, 10, 556, 0, until=clock.now + 1)  # another block: tried
     assert unwinder.calls == 3
+
+
+def test_the_blocks_of_processes_gone_are_let_go_at_the_sweep() -> None:
+    """Blocks unwound are bounded by a count; under process churn most of them were
+    of processes gone. The engine's sweep drops those (and their named frames)."""
+    stacks = UnwoundStacks(FakeUnwinder(), FakeSymbols(), clock=FakeClock())  # type: ignore[arg-type]
+    for pid, tid, ts in ((7, 70, 1), (7, 71, 2), (8, 80, 3)):
+        assert stacks.unwind(pid, tid, ts, 0, until=1.0)
+        assert stacks.frames(tid, ts, None) is not None
+    alive = {7: 1000}
+    assert stacks.forget_gone(alive.get) == 1
+    assert stacks.frames(80, 3, None) is None
+    assert stacks.frames(70, 1, None) is not None and stacks.frames(71, 2, None) is not None
+    assert stacks.forget_gone(alive.get) == 0

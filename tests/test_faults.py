@@ -303,14 +303,29 @@ def test_process_churn_keeps_caches_bounded(bpf_available: None, workloads: Any)
     """2000 short-lived processes a second, all tasks traced, small cache limits."""
     from offtop.bpf.engine import BpfSource, EngineConfig
     from offtop.model import Aggregator
+    from offtop.procinfo import ProcessInfoCache
     from offtop.symbols import UserSymbols
+
+    class SweptInfo(ProcessInfoCache):
+        """Counts the sweeps of processes gone that reach it (every 5 snapshots)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.sweeps: list[int] = []
+
+        def forget_gone(self, start_time: Any) -> int:
+            n = super().forget_gone(start_time)
+            self.sweeps.append(n)
+            assert start_time(os.getpid()) and start_time(1 << 30) is None
+            return n
 
     workloads("churn", "2000")
     agg = Aggregator(max_threads=4000)
     # A small symbol cache: as if thousands of processes were alive at once.
     usyms = UserSymbols(max_processes=64)
+    info = SweptInfo()
     src = BpfSource(EngineConfig(threshold_ns=10**9, stack_entries=1024), aggregator=agg,
-                    user_symbols=usyms)
+                    user_symbols=usyms, process_info=info)
     src.start()
     try:
         assert src.frames.stacks is not None
@@ -337,6 +352,9 @@ def test_process_churn_keeps_caches_bounded(bpf_available: None, workloads: Any)
     # Frames are cached per (stack, pid) only when fully resolved; dead
     # children resolve to addresses, so the cache must not follow the churn.
     assert last["frames"] < 2_000, seen
+    # The per-process caches outside the stack store are swept too (the metadata's
+    # stands for the unwinder's, the Python reader's and the unwound blocks').
+    assert len(info.sweeps) >= 2, info.sweeps
 
 
 def test_aggregator_forgets_the_oldest_threads_beyond_its_cap() -> None:

@@ -116,6 +116,26 @@ def test_command_lines_are_exact_and_decoded_with_replacement() -> None:
         proc.wait()
 
 
+def test_the_metadata_of_processes_gone_is_let_go() -> None:
+    """The cache of users and command lines was bounded by a count alone (8,192
+    processes); under churn it held the processes gone: `forget_gone` drops them."""
+    from offtop.targets import task_start_time
+
+    cache = ProcessInfoCache()
+    gone = subprocess.Popen(["sleep", "30"])
+    stays = subprocess.Popen(["sleep", "30"])
+    try:
+        assert cache.get(gone.pid) is not None and cache.get(stays.pid) is not None
+        gone.kill()
+        gone.wait()
+        assert cache.forget_gone(task_start_time) == 1
+        assert cache.forget_gone(task_start_time) == 0
+    finally:
+        for p in (gone, stays):
+            p.kill()
+            p.wait()
+
+
 # --- the TUI through Pilot (replay source) ------------------------------------------------------
 
 

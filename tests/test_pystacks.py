@@ -696,6 +696,21 @@ def test_processes_are_cached_by_pid_and_start_time_and_negatives_expire() -> No
     assert reader.cached_processes == 0
 
 
+def test_processes_gone_are_forgotten_at_the_sweep() -> None:
+    """Bounded by a count alone (1,024 processes), the cache held mostly processes
+    gone under churn: `forget_gone` drops those, and a pid another process has now."""
+    starts = {1: 100, 2: 200, 3: 300}
+    reader = PythonStacks(finder=_FakeFinder(None), clock=lambda: 0.0,  # type: ignore[arg-type]
+                          start_time=starts.get)
+    for pid in starts:
+        reader.read_process(pid)
+    assert reader.cached_processes == 3
+    del starts[1]  # gone
+    starts[3] = 301  # the pid is another process's now
+    assert reader.forget_gone(starts.get) == 2 and reader.cached_processes == 1
+    assert reader.forget_gone(starts.get) == 0
+
+
 @pytest.fixture(scope="module")
 def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The fake interpreter, built as `python3.11` with its symbols in .dynsym."""

@@ -489,6 +489,29 @@ def test_rule_lookups_find_a_files_table_once_per_mapping_while_the_mappings_hol
     assert looked == ["fake"] * 3
 
 
+def test_rule_walks_of_processes_gone_are_dropped() -> None:
+    """One rule walk per process (with its mappings) was bounded by a count alone:
+    under churn it held mostly processes gone. `forget_gone` drops those."""
+    looked: list[str] = []
+    table = FakeTable([(0x401000, 0x401100, _rule(off=16))])
+
+    class Counting(FakeTables):
+        def get(self, path: str) -> FileTable | None:
+            looked.append(path)
+            return super().get(path)
+
+    u = Unwinder(Counting(table))  # type: ignore[arg-type]
+    maps = list(MAPS)
+    for pid in (1, 2):
+        assert u.rule_for(pid, 0x401010, exact=True, maps=maps) == _rule(off=16)
+    alive = {1: 100}
+    assert u.forget_gone(alive.get) == 1 and u.forget_gone(alive.get) == 0
+    u.rule_for(1, 0x401020, exact=True, maps=maps)  # kept: no lookup again
+    assert looked == ["fake", "fake"]
+    u.rule_for(2, 0x401020, exact=True, maps=maps)  # dropped: looked up afresh
+    assert looked == ["fake"] * 3
+
+
 def test_walk_to_the_outermost_frame_looking_callers_up_at_ra_minus_1() -> None:
     # The caller's return address 0x402010 is the first byte of the next
     # function (a call to a noreturn function ends the caller): looked up at

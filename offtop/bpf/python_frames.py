@@ -136,6 +136,10 @@ class PythonFrames:
         while len(store) > self._max:
             store.popitem(last=False)
 
+    def forget_gone(self, start_time: Callable[[int], int | None]) -> int:
+        """Drop what the reader keeps about processes gone; return how many."""
+        return self._stacks.forget_gone(start_time)
+
     def is_python(self, pid: int) -> bool:
         """Whether process `pid`'s Python stacks are read (its frames change per sample)."""
         return pid in self._python_pids

@@ -99,6 +99,14 @@ class UnwoundStacks:
             return (*frames, Frame(name=MARK_TRUNCATED))
         return frames
 
+    def forget_gone(self, start_time: Callable[[int], int | None]) -> int:
+        """Drop the blocks of processes gone (`start_time(pid)` None); return how many."""
+        gone = [key for key, (pid, _r) in self._blocks.items() if start_time(pid) is None]
+        for key in gone:
+            del self._blocks[key]
+            self._named.pop(key, None)
+        return len(gone)
+
     def trim(self) -> None:
         """Forget the oldest blocks beyond the bound (they ended unseen: short, or summed)."""
         for key in _oldest_past(self._blocks, self._max):

@@ -123,6 +123,14 @@ class PythonStacks:
         for key in [k for k in self._known if k[0] == pid]:
             del self._known[key]
 
+    def forget_gone(self, start_time: Callable[[int], int | None]) -> int:
+        """Drop what is cached about processes that are not there any more (a pid
+        without a start time, or another process's by now); return how many."""
+        gone = [key for key in self._known if start_time(key[0]) != key[1]]
+        for key in gone:
+            del self._known[key]
+        return len(gone)
+
     @property
     def cached_processes(self) -> int:
         """How many (pid, start time) entries are cached, readers and negatives."""

@@ -255,6 +255,15 @@ class Unwinder:
             walk = self._rule_walks[pid] = _Walk(_NoMemory(), maps, self.tables)
         return walk
 
+    def forget_gone(self, start_time: Callable[[int], int | None]) -> int:
+        """Drop the rule walks of processes gone (`start_time(pid)` None); return how
+        many. Under process churn they piled up to `MAX_RULE_WALKS`, each holding its
+        process's mappings."""
+        gone = [pid for pid in self._rule_walks if start_time(pid) is None]
+        for pid in gone:
+            del self._rule_walks[pid]
+        return len(gone)
+
     def counters(self) -> dict[str, int]:
         """Every count, flat, for the engine's statistics: walks, frames, stops by
         reason ("stop:…"), failed stack reads by errno ("read:…"), files without a
