@@ -12,6 +12,21 @@ class EngineError(RuntimeError):
     """The engine could not start; the message is one line for users."""
 
 
+def default_slots(pid_max_path: str = "/proc/sys/kernel/pid_max") -> int:
+    """Per-thread record slots (offcpu.c OFFTOP_SLOTS, the slot of a thread is its
+    tid modulo this): as many as the tids the kernel hands out (kernel.pid_max,
+    up to a power of two), from 4,096 to 65,536. With a slot for every tid no two
+    threads ever want one; beyond, a thread takes one of the next slots, or the
+    overflow hash. Each slot is 320 bytes of kernel memory, mapped into offtop
+    (its RSS): 20 MiB at 65,536 where pid_max is 32,768 left half of them unused."""
+    try:
+        with open(pid_max_path, "rb") as f:
+            pid_max = int(f.read(32))
+    except (OSError, ValueError):
+        return 65_536
+    return min(65_536, max(4_096, 1 << max(0, pid_max - 1).bit_length()))
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything fixed for a run; only the threshold changes while running."""
@@ -28,7 +43,7 @@ class EngineConfig:
     #: User stacks get a map of their own size: there are more distinct ones
     #: (20,000 on a busy server), and each entry is ~1 KB of kernel memory.
     ustack_entries: int = 32_768
-    start_entries: int = 65_536
+    start_entries: int = field(default_factory=default_slots)
     agg_entries: int = 65_536
     kstack_depth: int = 48
     ustack_depth: int = 127
