@@ -595,12 +595,45 @@ class Plan:
     start_timeout: float
     #: --against: offtop batch/TUI also from this ref's code, in the same rounds.
     against: Code | None = None
+    #: After the rounds: the TUI alone for this many s, its RSS sampled (0: not).
+    soak: float = 0.0
 
     def where(self) -> str:
         load = f"CPUs {self.load_cpus}" if self.load_cpus else "any CPU"
         tool = f"CPUs {self.tool_cpus}" if self.tool_cpus else "any CPU"
         ref = f" (and {self.against.version} as tool{REF_SUFFIX})" if self.against else ""
         return f"the load on {load}, each tool on {tool}; offtop: {self.code.version}{ref}"
+
+
+def soak_tui(plan: Plan, every_s: float = 5.0) -> dict[str, Any] | None:
+    """The TUI alone for `plan.soak` s on the running load: RSS every `every_s`, its peak
+    (VmHWM), and its slope over the second half. A window of 15 s showed the TUI before
+    its per-process caches and since-start totals filled: it grew past the bar after."""
+    tool = start_tool("tui", plan.code, plan.tool_cpus)
+    try:
+        warm_up(tool, 0.0, plan.start_timeout)
+        t0, k0 = time.monotonic(), cpu_ticks(tool.pid)
+        samples: list[tuple[float, float]] = []
+        while (now := time.monotonic()) < t0 + plan.soak:
+            time.sleep(min(every_s, t0 + plan.soak - now))
+            if not tool.alive():
+                say("  TUI soak: the TUI exited")
+                return None
+            samples.append((time.monotonic() - t0, tree_rss_mb(tool.pid)))
+        cpu = 100.0 * (cpu_ticks(tool.pid) - k0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0)
+        peak = max(rss_mb(tool.pid, "VmHWM"), *(r for _, r in samples))
+    finally:
+        tool.stop()
+    half = [s for s in samples if s[0] >= plan.soak / 2] or samples
+    slope = 0.0
+    if len(half) >= 2:
+        xs, ys = [s[0] for s in half], [s[1] for s in half]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = 60.0 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    say(f"  TUI soak: {plan.soak:.0f} s, RSS {samples[-1][1]:.0f} MB, peak {peak:.0f} MB")
+    return {"seconds": plan.soak, "rss_mb_end": samples[-1][1], "peak_rss_mb": peak,
+            "growth_mb_per_min": slope, "cpu_pct": cpu, "rss_mb_samples": [round(r, 1) for _, r in samples]}
 
 
 def run_busy(plan: Plan) -> tuple[dict[str, Any], str]:
@@ -632,9 +665,16 @@ def run_busy(plan: Plan) -> tuple[dict[str, Any], str]:
                 time.sleep(1.0)
             say(f"  round {r + 1}: " + "  ".join(f"{n}={_brief(windows[n][-1])}" for n in plan.tools))
         full = full_census(plan, load) if "batch" in plan.tools else None
+        soak = soak_tui(plan) if plan.soak > 0 and "tui" in plan.tools else None
     finally:
         load.stop()
     res, text = summarize(plan, windows, censuses, load.paths)
+    if soak:
+        res["tui_soak"] = soak
+        text += (f"   the TUI alone for {soak['seconds']:.0f} s after its first data (its memory once "
+                 f"its caches and the since-start totals are full): RSS {soak['rss_mb_end']:.0f} MB at "
+                 f"the end, peak {soak['peak_rss_mb']:.0f} MB, {soak['growth_mb_per_min']:+.1f} MB/min "
+                 f"over the last half; CPU {soak['cpu_pct']:.1f} % of one core\n")
     if full:
         res["full_census"] = full
         text += (f"   everything in one interval (offtop --limit 0, {full['interval_s']:.1f} s, a "
@@ -1038,6 +1078,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a tool that shows no data this many s after launch fails its window (120)")
     p.add_argument("--wait-foreign", type=float, default=120.0,
                    help="wait up to this many s for someone else's bench_busy to end first (120)")
+    p.add_argument("--soak", type=float,
+                   help="after the rounds, the TUI alone this many s, its RSS sampled (default 300, "
+                        "quick 180; 0: not)")
     p.add_argument("--json", type=Path, help="also write the figures to this file")
     p.add_argument("--no-readme", action="store_true", help="do not write bench/results.json and README")
     args = p.parse_args(argv)
@@ -1059,7 +1102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         plan = Plan(spec, tuple(tools), runs, warmup, seconds, args.settle, Code.of(args.ref), args.load_cpus,
                     args.tool_cpus, args.wait_foreign, args.start_timeout,
-                    Code.of(args.against) if args.against else None)
+                    Code.of(args.against) if args.against else None,
+                    soak=0.0 if args.against or args.profile else
+                    (args.soak if args.soak is not None else (180.0 if args.quick else 300.0)))
         if args.profile:
             res, text = run_profile(plan, args.rate_hz, args.top, args.native, args.startup)
             entry: dict[str, Any] = {"date": dt.date.today().isoformat(), "commit": plan.code.version,

@@ -1309,6 +1309,13 @@ def busy_rows(b: dict[str, Any], run: str) -> list[tuple[str, str, str, str, str
         rows.append((f"7. busy server: offtop {label} RSS",
                      f"{_dist(t['rss_mb'], 1, 0)} MB, peak {_dist(t['peak_rss_mb'], 1, 0)} MB",
                      f"{LE} {rss_target:g} MB", yes_no(t["peak_rss_mb"]["max"] <= rss_target), run))
+    soak = b.get("tui_soak")
+    if soak:
+        rows.append((f"7. busy server: offtop TUI RSS over {soak['seconds'] / 60:.0f} min",
+                     f"{soak['rss_mb_end']:.0f} MB at the end, peak {soak['peak_rss_mb']:.0f} MB, "
+                     f"{soak['growth_mb_per_min']:+.1f} MB/min over the last half "
+                     f"(CPU {soak['cpu_pct']:.1f} % of one core)",
+                     f"{LE} {rss_target:g} MB", yes_no(soak["peak_rss_mb"] <= rss_target), run))
     line = tools.get("batch", {}).get("json_line_bytes")
     if line:
         limit = b["targets"]["json_line_bytes"]
