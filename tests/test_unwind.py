@@ -467,11 +467,9 @@ def _walker(spans: list[tuple[int, int, Rule]], words: dict[int, int], **kw: obj
                     memory=lambda pid, lim: FakeMemory(words), **kw)  # type: ignore[arg-type]
 
 
-def test_rule_lookups_find_a_files_table_once_per_mapping_while_the_mappings_hold() -> None:
-    """The repair asks a rule for every new pc of a process; each table lookup stats
-    the file. With the same mappings passed (the symbolizer's list), once per
-    mapping; new mappings (read again, or another process) look again."""
-    looked: list[str] = []
+def _counting_rules(looked: list[str]) -> Unwinder:
+    """An unwinder with one rule at 0x401000-0x401100 whose table lookups (a stat()
+    of the file each) are appended to `looked`."""
     table = FakeTable([(0x401000, 0x401100, _rule(off=16))])
 
     class Counting(FakeTables):
@@ -479,7 +477,15 @@ def test_rule_lookups_find_a_files_table_once_per_mapping_while_the_mappings_hol
             looked.append(path)
             return super().get(path)
 
-    u = Unwinder(Counting(table))  # type: ignore[arg-type]
+    return Unwinder(Counting(table))  # type: ignore[arg-type]
+
+
+def test_rule_lookups_find_a_files_table_once_per_mapping_while_the_mappings_hold() -> None:
+    """The repair asks a rule for every new pc of a process; each table lookup stats
+    the file. With the same mappings passed (the symbolizer's list), once per
+    mapping; new mappings (read again, or another process) look again."""
+    looked: list[str] = []
+    u = _counting_rules(looked)
     maps = list(MAPS)
     for pc in (0x401010, 0x401020, 0x401030):
         assert u.rule_for(1, pc, exact=True, maps=maps) == _rule(off=16)
@@ -493,14 +499,7 @@ def test_rule_walks_of_processes_gone_are_dropped() -> None:
     """One rule walk per process (with its mappings) was bounded by a count alone:
     under churn it held mostly processes gone. `forget_gone` drops those."""
     looked: list[str] = []
-    table = FakeTable([(0x401000, 0x401100, _rule(off=16))])
-
-    class Counting(FakeTables):
-        def get(self, path: str) -> FileTable | None:
-            looked.append(path)
-            return super().get(path)
-
-    u = Unwinder(Counting(table))  # type: ignore[arg-type]
+    u = _counting_rules(looked)
     maps = list(MAPS)
     for pid in (1, 2):
         assert u.rule_for(pid, 0x401010, exact=True, maps=maps) == _rule(off=16)
