@@ -4,6 +4,7 @@ views the TUI derives (row keys, the snapshot index, idle waits, merging, since 
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import Any
 
 from offtop.model import (
@@ -327,10 +328,10 @@ def test_since_start_sums_every_snapshot_and_stays_bounded() -> None:
     assert small.dropped_ns == 1 + 2
 
 
-def test_since_start_takes_a_renamed_threads_new_name_and_holds_no_wakers() -> None:
-    """The totals keep a row per stack for its names and frames; the wakers of the
-    latest snapshot are not summed there, so not held (a busy server's since-start
-    totals are most of the TUI's memory)."""
+def test_since_start_takes_a_renamed_threads_new_name_and_holds_no_rows() -> None:
+    """The totals keep the sums of each stack and what its key does not say (pid,
+    comm, frames), not a row: a row kept per total held its first snapshot's sums and
+    wakers too (a busy server's since-start totals are the TUI's biggest data)."""
     from offtop.model import Waker
 
     agg, since = Aggregator(), SinceStart()
@@ -342,7 +343,15 @@ def test_since_start_takes_a_renamed_threads_new_name_and_holds_no_wakers() -> N
     since.fold()
     [row] = since.ranked()
     assert (row.comm, row.offcpu_ns, row.count) == ("after", 300, 3)
-    assert all(not cur.row.wakers for cur in since._totals.values())
+    marker = 987_654_321_123
+    snap = build(agg, [dataclasses.replace(s(12, marker), waker=timer)])
+    since.add(SnapshotIndex(snap))
+    since.fold()
+    del snap
+    gc.collect()
+    assert not [o for o in gc.get_objects()
+                if isinstance(o, StackRow) and o.offcpu_ns == marker], "a row is held"
+    assert [r.offcpu_ns for r in since.ranked()] == [marker, 300]
 
 
 def test_a_stack_cap_keeps_the_top_rows_and_counts_the_rest() -> None:

@@ -44,10 +44,14 @@ class Scope:
 
     def holds(self, stack: StackRow) -> bool:
         """True if `stack` is one of this scope's (of any snapshot)."""
+        return self.holds_task(stack.pid, stack.tid, stack.comm)
+
+    def holds_task(self, pid: int, tid: int, comm: str) -> bool:
+        """True if the stacks of this task are this scope's."""
         if self.key is not None:
-            return (stack.pid if self.key.is_process else stack.tid) == self.key.id
+            return (pid if self.key.is_process else tid) == self.key.id
         if self.kind == "command":
-            return stack.comm == self.comm
+            return comm == self.comm
         return self.kind == "all"
 
     @classmethod

@@ -518,7 +518,7 @@ class StacksPane(ContentSwitcher, TitledPane):
     def _rank_worker(self, seq: int, wanted: tuple[Scope, int | None]) -> None:
         """Rank a scope's since-start totals off the event loop."""
         scope, limit = wanted
-        rows = self.since_start.ranked(scope.holds, limit)
+        rows = self.since_start.ranked(scope.holds_task, limit)
         self.post_message(self.SinceStartReady(rows, seq, wanted))
 
     @on(SinceStartReady)
