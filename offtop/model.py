@@ -1061,19 +1061,23 @@ class SnapshotIndex:
         stacks, the idle pass), the facts of every stack of the snapshot are kept
         by the stack's identity (alive as long as the index): a second merge, or
         a merge after the idle pass, then finds each with one dict lookup."""
-        known = self._facts
-        if known is None:
-            if len(stacks) < self.MANY_STACKS:
-                return self.catalog.infos(stacks)
-            every = self.snapshot.stacks
-            known = self._facts = dict(zip(map(id, every), self.catalog.infos(every),
-                                           strict=True))
+        if self._facts is None and len(stacks) < self.MANY_STACKS:
+            return self.catalog.infos(stacks)
+        known = self._all_facts()
         out = list(map(known.get, map(id, stacks)))
         if None in out:  # not of this snapshot (since-start rows)
             more = iter(self.catalog.infos([s for s, f in zip(stacks, out, strict=True)
                                             if f is None]))
             return [f if f is not None else next(more) for f in out]
         return cast("list[ChainInfo]", out)
+
+    def _all_facts(self) -> dict[int, ChainInfo]:
+        """The facts of every stack of the snapshot by the stack's identity, worked
+        out in one pass the first time."""
+        if self._facts is None:
+            every = self.snapshot.stacks
+            self._facts = dict(zip(map(id, every), self.catalog.infos(every), strict=True))
+        return self._facts
 
     def counterpart(self, key: RowKey) -> RowKey | None:
         """The row of the other mode for the same task: a thread's process,
@@ -1116,11 +1120,8 @@ class SnapshotIndex:
     def _find_idle(self) -> None:
         """One pass over the snapshot for what hiding idle waits needs."""
         idle_ns: dict[RowKey, int] = {}
-        stacks = self.snapshot.stacks
-        if self._facts is None:
-            self._facts = dict(zip(map(id, stacks), self.catalog.infos(stacks), strict=True))
-        facts = self._facts
-        for s in stacks:
+        facts = self._all_facts()
+        for s in self.snapshot.stacks:
             if facts[id(s)].idle:
                 for k in (RowKey.thread(s.tid), RowKey.process(s.pid)):
                     idle_ns[k] = idle_ns.get(k, 0) + s.offcpu_ns
