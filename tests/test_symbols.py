@@ -82,6 +82,31 @@ def test_kallsyms_module_symbols_addresses_below_all_and_a_bounded_cache(tmp_pat
     assert k.resolve(0xFFFFFFFF81000010) is again
 
 
+def test_kallsyms_addresses_in_one_function_share_its_frame(tmp_path: Path) -> None:
+    ks = tmp_path / "kallsyms"
+    ks.write_text(
+        "ffffffff81000000 T schedule\n"
+        "ffffffff81000200 t do_nanosleep\n"
+    )
+    k = KernelSymbols(str(ks))
+    a, b = k.resolve(0xFFFFFFFF81000010), k.resolve(0xFFFFFFFF810001F0)
+    assert a.name == "schedule" and a is b  # one frame per function, not per address
+    assert k.resolve(0xFFFFFFFF81000210) is not a
+
+
+def test_kallsyms_lines_without_a_hexadecimal_address_are_left_out(tmp_path: Path) -> None:
+    ks = tmp_path / "kallsyms"
+    ks.write_text(
+        "ffffffff81000000 T schedule\n"
+        "ffffffff8100zz00 T not_hex\n"
+        "ffffffff 1000300 T spaced\n"
+        "ffffffff81000400 t do_nanosleep\n"
+    )
+    k = KernelSymbols(str(ks))
+    assert k.resolve(0xFFFFFFFF81000310).name == "schedule"
+    assert k.resolve(0xFFFFFFFF81000410).name == "do_nanosleep"
+
+
 def test_tracer_frames_only_stripped_from_the_innermost_end() -> None:
     fs = [Frame("perf_trace_sched_switch"), Frame("__schedule"), Frame("bpf_prog_x")]
     assert [f.name for f in strip_tracer_frames(fs)] == ["__schedule", "bpf_prog_x"]
