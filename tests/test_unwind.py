@@ -39,7 +39,7 @@ from offtop.unwind.cfi import (
     sleb,
     uleb,
 )
-from offtop.unwind.elffile import ElfFormatError
+from offtop.unwind.elffile import ElfFile, ElfFormatError
 from offtop.unwind.lazy import LazyTable, load_table
 from offtop.unwind.maps import ExecMapping, parse_maps, read_exec_maps
 from offtop.unwind.memory import PAGE, StackReader
@@ -376,6 +376,32 @@ def test_table_cache_shares_by_build_id_and_remembers_failures(tmp_path: Path) -
     small.get(str(a))
     small.get(str(tmp_path / "junk"))
     assert len(small) == 1
+
+
+def test_table_cache_is_bounded_by_the_bytes_its_tables_hold(tmp_path: Path) -> None:
+    paths = []
+    for name in ("sleep", "true", "env"):  # three build-ids: no table shared
+        paths.append(str(tmp_path / name))
+        shutil.copy(f"/usr/bin/{name}", paths[-1])
+
+    class Sized:
+        def __init__(self, path: str, nbytes: int) -> None:
+            with ElfFile(path) as elf:
+                self.build_id = elf.build_id()  # as a real table's
+            self.stats = TableStats(nbytes=nbytes)
+
+        def __len__(self) -> int:
+            return 1  # a row: as few as can be, so only the bytes can bound the cache
+
+    sizes = {paths[0]: 6 << 20, paths[1]: 6 << 20, paths[2]: 20 << 20}
+    cache = TableCache(max_bytes=16 << 20, builder=lambda path, **_: Sized(path, sizes[path]))
+    a, b = cache.get(paths[0]), cache.get(paths[1])
+    assert len(cache) == 2 and cache.nbytes == 12 << 20
+    assert cache.get(paths[0]) is a  # used again: b is now the least recently used
+    c = cache.get(paths[2])  # over the bound alone: kept, being the newest; the rest go
+    assert c is not None and len(cache) == 1 and cache.nbytes == 20 << 20
+    assert cache.get(paths[2]) is c and cache.builds == 3
+    assert cache.get(paths[1]) is not b and cache.builds == 4
 
 
 def test_maps_handles_have_no_leading_zeros(tmp_path: Path) -> None:

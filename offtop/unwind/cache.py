@@ -4,8 +4,8 @@ A file is known by (device, inode, size, mtime) from stat(), which is cheap
 and changes when the file is replaced; two files with one GNU build-id (a
 library in a container and on the host) share one table. Files that cannot
 be read as ELF are remembered as such, so a bad file costs one attempt.
-Memory is bounded by the number of rows held; the least recently used
-tables go first.
+Memory is bounded by the bytes the tables hold (`TableStats.nbytes`); the
+least recently used tables go first, the newest never (a walk needs it).
 """
 
 from __future__ import annotations
@@ -22,20 +22,27 @@ from offtop.unwind.table import DEBUG_ROOT, FileTable
 FileKey = tuple[int, int, int, int]
 
 
+#: Bytes of tables held at most. A lazy table keeps its file's .eh_frame
+#: whole: python3.11's is 0.6 MB, libc's 0.2, libLLVM's and libclang-cpp's
+#: 6 MB each. A process that blocked with those loaded (a compiler, a
+#: graphics stack) made the TUI hold 20 MB more for all its life.
+MAX_TABLE_BYTES = 16 << 20
+
+
 class TableCache:
-    """Unwind tables by file, LRU-bounded by total rows."""
+    """Unwind tables by file, LRU-bounded by the bytes they hold and their number."""
 
     def __init__(self, *, debug_root: str = DEBUG_ROOT, limits: CfiLimits | None = None,
-                 max_rows: int = 8_000_000, max_files: int = 1024,
+                 max_bytes: int = MAX_TABLE_BYTES, max_files: int = 1024,
                  builder: Callable[..., FileTable] = load_table) -> None:
         self._debug_root = debug_root
         self._limits = limits or CfiLimits()
-        self._max_rows = max_rows
+        self._max_bytes = max_bytes
         self._max_files = max_files
         self._build = builder
         self._by_file: OrderedDict[FileKey, FileTable | None] = OrderedDict()
         self._by_build_id: dict[bytes, FileTable] = {}
-        self.rows = 0
+        self.nbytes = 0  #: held by the tables, as they count it
         self.builds = 0
         self.build_seconds = 0.0
         self.failures: dict[str, int] = {}  #: files that gave no table, by cause
@@ -57,7 +64,7 @@ class TableCache:
         table = self._load(path)
         self._by_file[key] = table
         if table is not None:
-            self.rows += len(table)
+            self.nbytes += table.stats.nbytes
         self._evict()
         return table
 
@@ -87,12 +94,13 @@ class TableCache:
         self.failures[cause] = self.failures.get(cause, 0) + 1
 
     def _evict(self) -> None:
-        while self._by_file and (self.rows > self._max_rows or len(self._by_file) > self._max_files):
+        while len(self._by_file) > 1 and (self.nbytes > self._max_bytes
+                                          or len(self._by_file) > self._max_files):
             _, old = self._by_file.popitem(last=False)
             if old is None:
                 continue
-            # Rows are counted once per file holding the table (shared tables
+            # Bytes are counted once per file holding the table (shared tables
             # count twice: the bound errs on the safe side).
-            self.rows -= len(old)
+            self.nbytes -= old.stats.nbytes
             if old.build_id is not None and not any(t is old for t in self._by_file.values()):
                 self._by_build_id.pop(old.build_id, None)
