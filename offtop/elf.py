@@ -403,6 +403,13 @@ class _Loading:
         self.file.close()
 
 
+#: Bytes of symbol tables cached at most, all files together (the newest is
+#: always kept). Kept as offtop keeps them, libLLVM's are 3.7 MB, libc's 0.25:
+#: a host's working set fits many times over, and offtop's memory stays
+#: within a bound its users can plan for (it was 256 MB).
+MAX_CACHED_BYTES = 64 << 20
+
+
 class ElfCache:
     """Parsed files, shared by all processes, keyed by (device, inode, size, mtime).
 
@@ -411,7 +418,7 @@ class ElfCache:
     at most `max_loading` files are part-loaded at a time.
     """
 
-    def __init__(self, max_files: int = 512, *, max_bytes: int = 256 << 20, max_loading: int = 2,
+    def __init__(self, max_files: int = 512, *, max_bytes: int = MAX_CACHED_BYTES, max_loading: int = 2,
                  debug_root: str = DEBUG_ROOT, clock: Callable[[], float] = time.monotonic) -> None:
         self._files: OrderedDict[tuple[int, int, int, int], ElfSymbols | str] = OrderedDict()
         self._loading: OrderedDict[tuple[int, int, int, int], _Loading] = OrderedDict()
