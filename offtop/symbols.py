@@ -78,9 +78,10 @@ _KALLSYMS_TEXT = frozenset(b"tTwW")
 
 def _hex_numbers(lines: list[bytes], width: int) -> tuple[list[bytes], Sequence[int]]:
     """(`lines`, their addresses as numbers): kallsyms' lines, their first `width`
-    bytes lowercase hexadecimal. At 16 digits decoded all at once, ~40x faster
-    than a call per address. A line whose address is not hexadecimal (none in
-    a kernel's kallsyms) is left out."""
+    bytes lowercase hexadecimal. At 16 digits decoded all at once (1.4-2.5x
+    faster than a call per address, which would also need each checked). A
+    line whose address is not hexadecimal (none in a kernel's kallsyms) is
+    left out."""
     digits = [line[:width] for line in lines]
     if width == 16:
         try:
