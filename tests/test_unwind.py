@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import random
 import re
 import shutil
 import struct
 import subprocess
+import sys
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,7 +48,7 @@ from offtop.unwind.maps import ExecMapping, parse_maps, read_exec_maps
 from offtop.unwind.memory import PAGE, StackReader
 from offtop.unwind.regs import parse_syscall
 from offtop.unwind.rules import CfaKind, RegKind, Rule
-from offtop.unwind.table import FileTable, TableStats
+from offtop.unwind.table import FileTable, TableStats, find_eh_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 NOFP_SRC = ROOT / "tests" / "workloads" / "unwind_nofp.c"
@@ -402,6 +405,25 @@ def test_table_cache_is_bounded_by_the_bytes_its_tables_hold(tmp_path: Path) -> 
     assert c is not None and len(cache) == 1 and cache.nbytes == 20 << 20
     assert cache.get(paths[2]) is c and cache.builds == 3
     assert cache.get(paths[1]) is not b and cache.builds == 4
+
+
+def test_a_lazy_table_holds_what_it_counts_and_its_index_once() -> None:
+    path = os.path.realpath(sys.executable)  # python3.11: ~10,000 FDEs
+    with ElfFile(path) as elf:
+        eh = find_eh_frame(elf)
+    assert eh is not None and eh.hdr is not None
+    gc.collect()
+    tracemalloc.start()
+    try:
+        table = load_table(path)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(table, LazyTable)
+    # The cache's bound (TableCache) is only as good as this count.
+    assert held <= table.stats.nbytes * 1.1 + (64 << 10), (held, table.stats.nbytes)
+    # .eh_frame_hdr's search table is kept as the index alone, not also as bytes.
+    assert table.stats.nbytes < len(eh.data) + len(eh.hdr), (table.stats.nbytes, len(eh.data))
 
 
 def test_maps_handles_have_no_leading_zeros(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ own range holds the pc.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import struct
 import time
 from array import array
@@ -152,7 +153,9 @@ def load_table(path: str, *, debug_root: str = DEBUG_ROOT,
         fallback = b.finish(segments, build_id)
         stats.sources += fallback.stats.sources
         stats.bad_entries.update(fallback.stats.bad_entries)
-    stats.nbytes = (len(eh.data) + len(eh.hdr or b"") + 8 * len(index[0])
-                    + (fallback.stats.nbytes if fallback else 0))
+    # The index is all a lazy table needs of .eh_frame_hdr (8 bytes an FDE:
+    # 0.8 MB of libLLVM's): not kept twice.
+    eh = dataclasses.replace(eh, hdr=None)
+    stats.nbytes = len(eh.data) + 8 * len(index[0]) + (fallback.stats.nbytes if fallback else 0)
     stats.build_s = time.perf_counter() - t0
     return LazyTable(eh, index[0], index[1], segments, build_id, fallback, lim, stats)
