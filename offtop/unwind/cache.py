@@ -23,8 +23,8 @@ FileKey = tuple[int, int, int, int]
 
 
 #: Bytes of tables held at most. A lazy table keeps its file's .eh_frame
-#: whole: python3.11's is 0.6 MB, libc's 0.2, libLLVM's and libclang-cpp's
-#: 6 MB each. With bcc compiles blocking beside it, the TUI held 21-24 MB of
+#: whole: python3.11's is 0.5 MB, libc's 0.2, libLLVM's and libclang-cpp's
+#: 5.5 MB each. With bcc compiles blocking beside it, the TUI held 21-24 MB of
 #: tables, for all its life; the bound before (8,000,000 rows) let ~550 MB be held.
 MAX_TABLE_BYTES = 16 << 20
 
