@@ -107,6 +107,18 @@ def test_kallsyms_lines_without_a_hexadecimal_address_are_left_out(tmp_path: Pat
     assert k.resolve(0xFFFFFFFF81000410).name == "do_nanosleep"
 
 
+def test_kallsyms_of_a_32_bit_kernel(tmp_path: Path) -> None:
+    ks = tmp_path / "kallsyms"
+    ks.write_text(
+        "c1000000 T schedule\n"
+        "c1000200 t do_nanosleep\n"
+    )
+    k = KernelSymbols(str(ks))
+    assert k.resolve(0xC1000010).name == "schedule"
+    assert k.resolve(0xC1000210).name == "do_nanosleep"
+    assert k.resolve(1 << 40).name == f"0x{1 << 40:x}"  # wider than its addresses
+
+
 def test_tracer_frames_only_stripped_from_the_innermost_end() -> None:
     fs = [Frame("perf_trace_sched_switch"), Frame("__schedule"), Frame("bpf_prog_x")]
     assert [f.name for f in strip_tracer_frames(fs)] == ["__schedule", "bpf_prog_x"]
