@@ -42,15 +42,21 @@ def _addr(fn: object) -> int:
     return a
 
 
-def test_kallsyms_bisects_and_strips_tracer_frames(tmp_path: Path) -> None:
+def _kallsyms(tmp_path: Path, *lines: str) -> KernelSymbols:
+    """KernelSymbols over a kallsyms file of `lines`."""
     ks = tmp_path / "kallsyms"
-    ks.write_text(
-        "ffffffff81000100 T bpf_prog_abc_tp\n"
-        "ffffffff81000000 T schedule\n"
-        "ffffffff81000200 t do_nanosleep\n"
-        "ffffffff81000300 d some_data\n"
+    ks.write_text("".join(line + "\n" for line in lines))
+    return KernelSymbols(str(ks))
+
+
+def test_kallsyms_bisects_and_strips_tracer_frames(tmp_path: Path) -> None:
+    k = _kallsyms(
+        tmp_path,
+        "ffffffff81000100 T bpf_prog_abc_tp",
+        "ffffffff81000000 T schedule",
+        "ffffffff81000200 t do_nanosleep",
+        "ffffffff81000300 d some_data",
     )
-    k = KernelSymbols(str(ks))
     assert k.resolve(0xFFFFFFFF81000010).name == "schedule"
     assert k.resolve(0xFFFFFFFF81000310).name == "do_nanosleep"  # data symbols are skipped
     frames = k.resolve_stack([0xFFFFFFFF81000110, 0xFFFFFFFF81000010, 0xFFFFFFFF81000210])
@@ -60,20 +66,19 @@ def test_kallsyms_bisects_and_strips_tracer_frames(tmp_path: Path) -> None:
 
 def test_kallsyms_module_symbols_addresses_below_all_and_a_bounded_cache(tmp_path: Path,
                                                                         monkeypatch: Any) -> None:
-    ks = tmp_path / "kallsyms"
-    ks.write_text(
-        "ffffffffc0000000 t nvme_irq\t[nvme]\n"
-        "ffffffff81000000 T schedule\n"
-        "ffffffff81000000 W schedule_alias\n"
-        "ffffffff81000200 t do_nanosleep\n"
+    k = _kallsyms(
+        tmp_path,
+        "ffffffffc0000000 t nvme_irq\t[nvme]",
+        "ffffffff81000000 T schedule",
+        "ffffffff81000000 W schedule_alias",
+        "ffffffff81000200 t do_nanosleep",
     )
-    k = KernelSymbols(str(ks))
     assert k.resolve(0xFFFFFFFFC0000010).name == "nvme_irq"  # the module's name cut off
     assert k.resolve(0xFFFFFFFF81000000).name == "schedule_alias"  # the last at that address
     assert k.resolve(0xFFFFFFFF80000000).name == "0xffffffff80000000"  # below every symbol
     assert k.resolve(1 << 70).name == f"0x{1 << 70:x}"  # wider than kallsyms' addresses
     monkeypatch.setattr(KernelSymbols, "MAX_CACHED", 2)
-    k = KernelSymbols(str(ks))
+    k = KernelSymbols(str(tmp_path / "kallsyms"))
     first = k.resolve(0xFFFFFFFF81000010)
     k.resolve(0xFFFFFFFF81000210)
     k.resolve(0xFFFFFFFF81000220)  # the cache was full: emptied first
@@ -83,37 +88,34 @@ def test_kallsyms_module_symbols_addresses_below_all_and_a_bounded_cache(tmp_pat
 
 
 def test_kallsyms_addresses_in_one_function_share_its_frame(tmp_path: Path) -> None:
-    ks = tmp_path / "kallsyms"
-    ks.write_text(
-        "ffffffff81000000 T schedule\n"
-        "ffffffff81000200 t do_nanosleep\n"
+    k = _kallsyms(
+        tmp_path,
+        "ffffffff81000000 T schedule",
+        "ffffffff81000200 t do_nanosleep",
     )
-    k = KernelSymbols(str(ks))
     a, b = k.resolve(0xFFFFFFFF81000010), k.resolve(0xFFFFFFFF810001F0)
     assert a.name == "schedule" and a is b  # one frame per function, not per address
     assert k.resolve(0xFFFFFFFF81000210) is not a
 
 
 def test_kallsyms_lines_without_a_hexadecimal_address_are_left_out(tmp_path: Path) -> None:
-    ks = tmp_path / "kallsyms"
-    ks.write_text(
-        "ffffffff81000000 T schedule\n"
-        "ffffffff8100zz00 T not_hex\n"
-        "ffffffff 1000300 T spaced\n"
-        "ffffffff81000400 t do_nanosleep\n"
+    k = _kallsyms(
+        tmp_path,
+        "ffffffff81000000 T schedule",
+        "ffffffff8100zz00 T not_hex",
+        "ffffffff 1000300 T spaced",
+        "ffffffff81000400 t do_nanosleep",
     )
-    k = KernelSymbols(str(ks))
     assert k.resolve(0xFFFFFFFF81000310).name == "schedule"
     assert k.resolve(0xFFFFFFFF81000410).name == "do_nanosleep"
 
 
 def test_kallsyms_of_a_32_bit_kernel(tmp_path: Path) -> None:
-    ks = tmp_path / "kallsyms"
-    ks.write_text(
-        "c1000000 T schedule\n"
-        "c1000200 t do_nanosleep\n"
+    k = _kallsyms(
+        tmp_path,
+        "c1000000 T schedule",
+        "c1000200 t do_nanosleep",
     )
-    k = KernelSymbols(str(ks))
     assert k.resolve(0xC1000010).name == "schedule"
     assert k.resolve(0xC1000210).name == "do_nanosleep"
     assert k.resolve(1 << 40).name == f"0x{1 << 40:x}"  # wider than its addresses
