@@ -67,6 +67,7 @@ from run import (
     rss_mb,
     say,
     sched_probes,
+    slope,
     tree_rss_mb,
     write_readme,
 )
@@ -624,16 +625,10 @@ def soak_tui(plan: Plan, every_s: float = 5.0) -> dict[str, Any] | None:
         peak = max(rss_mb(tool.pid, "VmHWM"), *(r for _, r in samples))
     finally:
         tool.stop()
-    half = [s for s in samples if s[0] >= plan.soak / 2] or samples
-    slope = 0.0
-    if len(half) >= 2:
-        xs, ys = [s[0] for s in half], [s[1] for s in half]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = 60.0 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    growth = 60.0 * slope([s for s in samples if s[0] >= plan.soak / 2] or samples)
     say(f"  TUI soak: {plan.soak:.0f} s, RSS {samples[-1][1]:.0f} MB, peak {peak:.0f} MB")
     return {"seconds": plan.soak, "rss_mb_end": samples[-1][1], "peak_rss_mb": peak,
-            "growth_mb_per_min": slope, "cpu_pct": cpu, "rss_mb_samples": [round(r, 1) for _, r in samples]}
+            "growth_mb_per_min": growth, "cpu_pct": cpu, "rss_mb_samples": [round(r, 1) for _, r in samples]}
 
 
 def run_busy(plan: Plan) -> tuple[dict[str, Any], str]:

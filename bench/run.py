@@ -993,24 +993,24 @@ def bench_memory(ctx: Ctx) -> dict[str, Any]:
             bg.stop()
     warm = max(60.0, samples[-1][0] / 3)
     after = [(t, m) for t, m in samples if t >= warm]
-    slope = _slope(after) * 60
+    growth = slope(after) * 60
     final = samples[-1][1]
     peak = max(m for _, m in samples)
     at_warm = after[0][1] if after else final
     stats = last[-1]["stats"] if last else {}
     print(f"\n5. Memory: offtop batch, {minutes:g} min, pacer at ~50k switches/s + {churn} processes/s")
     print(f"   RSS at end {final:.1f} MB (peak {peak:.1f} MB; {at_warm:.1f} MB at warm-up, "
-          f"{warm / 60:.1f} min); after warm-up {slope:+.2f} MB/min   (target <= 150 MB, flat)")
+          f"{warm / 60:.1f} min); after warm-up {growth:+.2f} MB/min   (target <= 150 MB, flat)")
     if stats:
         print(f"   last interval: {stats.get('switches_per_s', 0):.0f} switches/s, stacks used "
               f"{stats.get('stacks_used')}/{stats.get('stacks_capacity')}, reclaimed "
               f"{stats.get('stacks_reclaimed')}, lost {stats.get('lost_total')}")
     return {"minutes": minutes, "churn_per_s": churn, "rss_end_mb": final, "rss_peak_mb": peak,
-            "rss_warm_mb": at_warm, "warm_s": warm, "slope_mb_per_min": slope,
+            "rss_warm_mb": at_warm, "warm_s": warm, "slope_mb_per_min": growth,
             "samples": [[round(t, 1), round(m, 2)] for t, m in samples]}
 
 
-def _slope(points: Sequence[tuple[float, float]]) -> float:
+def slope(points: Sequence[tuple[float, float]]) -> float:
     """Least-squares slope (y per x)."""
     if len(points) < 2:
         return 0.0

@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -41,6 +40,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from run import slope  # noqa: E402  (bench/, this script's directory)
 
 from offtop.bpf.engine import BpfSource, EngineConfig  # noqa: E402
 from offtop.units import parse_duration_ns  # noqa: E402
@@ -178,7 +179,7 @@ def verdict(rows: list[dict[str, Any]], key: str, warm_s: float, cap: float) -> 
     ok = is_flat and bounded if key == "rss_mb" else bounded
     return {"key": key, "flat": is_flat, "bounded": bounded, "ok": ok, "cap": cap,
             "warm_level": level, "peak_after": peak, "limit": round(limit, 1),
-            "end": after[-1], "slope_per_min": round(_slope(pts) * 60, 3)}
+            "end": after[-1], "slope_per_min": round(slope(pts) * 60, 3)}
 
 
 def caps(src: BpfSource) -> dict[str, float]:
@@ -193,15 +194,6 @@ def caps(src: BpfSource) -> dict[str, float]:
         "stack_ids": 2 * cfg.stack_entries,
         "start_map": cfg.start_entries,
     }
-
-
-def _slope(points: list[tuple[float, float]]) -> float:
-    if len(points) < 2:
-        return 0.0
-    mx = statistics.fmean(p[0] for p in points)
-    my = statistics.fmean(p[1] for p in points)
-    den = sum((x - mx) ** 2 for x, _ in points)
-    return sum((x - mx) * (y - my) for x, y in points) / den if den else 0.0
 
 
 def main() -> int:
