@@ -1296,8 +1296,7 @@ class SinceStart:
                     cur.seen = seen
                     if s.max_ns > cur.max_ns:
                         cur.max_ns = s.max_ns
-                    if s.comm != cur.comm:  # a thread renamed (all else is its key's)
-                        cur.comm = s.comm
+                    cur.comm = s.comm  # a thread renamed: its latest name (all else is the key's)
             if len(totals) > self._max:
                 self._shed()
                 totals = self._totals
