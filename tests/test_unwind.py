@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import random
@@ -43,7 +44,7 @@ from offtop.unwind.cfi import (
     uleb,
 )
 from offtop.unwind.elffile import ElfFile, ElfFormatError
-from offtop.unwind.lazy import LazyTable, load_table
+from offtop.unwind.lazy import OPEN_FILE_NBYTES, LazyTable, SectionInFile, load_table
 from offtop.unwind.maps import ExecMapping, parse_maps, read_exec_maps
 from offtop.unwind.memory import PAGE, StackReader
 from offtop.unwind.regs import parse_syscall
@@ -305,14 +306,63 @@ def test_libc_table_matches_readelf_row_for_row() -> None:
 
 
 @pytest.mark.parametrize("path", [LIBC, PYTHON])
-def test_lazy_table_agrees_with_the_full_table(path: str) -> None:
+@pytest.mark.parametrize("in_file", [False, True], ids=["held", "read-from-file"])
+def test_lazy_table_agrees_with_the_full_table(path: str, in_file: bool) -> None:
     full = build_table(path)
-    lazy = load_table(path)
-    assert isinstance(lazy, LazyTable)
-    for pc, _ in full.rows():
-        for probe in (pc, pc + 1):
-            assert lazy.rule_at(probe) == full.rule_at(probe), f"{path} at {probe:#x}"
-    assert lazy.rule_at(0) is None and not lazy.errors
+    lazy = load_table(path, in_file_from=0 if in_file else 1 << 30)
+    assert isinstance(lazy, LazyTable) and lazy.holds_file == in_file
+    try:
+        for pc, _ in full.rows():
+            for probe in (pc, pc + 1):
+                assert lazy.rule_at(probe) == full.rule_at(probe), f"{path} at {probe:#x}"
+        assert lazy.rule_at(0) is None and not lazy.errors
+    finally:
+        lazy.close()
+    assert not lazy.holds_file
+
+
+def test_a_table_whose_file_shrinks_counts_reads_that_fail(tmp_path: Path) -> None:
+    copy = tmp_path / "python3"
+    shutil.copy(PYTHON, copy)
+    full = build_table(str(copy))
+    pcs = [pc for pc, rule in full.rows() if rule is not None]
+    early, late = pcs[: len(pcs) // 10], pcs[-len(pcs) // 10:]
+    table = load_table(str(copy), in_file_from=0)
+    assert isinstance(table, LazyTable) and table.holds_file
+    try:
+        met = {pc: table.rule_at(pc) for pc in early}
+        with open(copy, "r+b") as f:  # the file's owner cuts it short under offtop
+            f.truncate(os.path.getsize(copy) // 2)
+        assert [table.rule_at(pc) for pc in early] == list(met.values())  # met before: kept
+        assert all(table.rule_at(pc) is None for pc in late)  # .eh_frame is past the cut
+        assert table.errors.get("read", 0) > 0
+    finally:
+        table.close()
+    assert all(table.rule_at(pc) is None for pc in late[:50])  # closed: failures, no reads
+
+
+def test_a_table_reading_its_file_reads_only_the_fdes_it_meets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    path = os.path.realpath(sys.executable)
+    reads: list[int] = []
+    inner = SectionInFile.read
+
+    def counted(self: SectionInFile, at: int, n: int) -> bytes:
+        reads.append(n)
+        return inner(self, at, n)
+
+    monkeypatch.setattr(SectionInFile, "read", counted)
+    table = load_table(path, in_file_from=0)
+    assert isinstance(table, LazyTable) and not reads
+    try:
+        full = build_table(path)
+        pcs = [pc for pc, rule in full.rows() if rule is not None][::997]
+        assert all(table.rule_at(pc) == full.rule_at(pc) for pc in pcs)
+    finally:
+        table.close()
+    # An FDE's header, then the FDE; its CIE's the same way, once: a few hundred
+    # bytes per FDE met, never the section.
+    assert 0 < len(reads) <= 4 * len(pcs) + 8 and max(reads) < 4096, (len(reads), max(reads))
 
 
 def test_file_without_section_headers_is_found_through_pt_gnu_eh_frame(tmp_path: Path) -> None:
@@ -352,8 +402,9 @@ def _mutated_copies(src: str, tmp: Path, count: int, seed: int) -> Iterator[Path
 def test_mutated_files_never_crash_or_hang(tmp_path: Path) -> None:
     t0 = time.perf_counter()
     loaded = 0
+    read_from_file = functools.partial(load_table, in_file_from=0)
     for p in _mutated_copies("/usr/bin/sleep", tmp_path, 150, seed=13):
-        for load in (build_table, load_table):
+        for load in (build_table, load_table, read_from_file):
             try:
                 table = load(str(p))
             except (ElfFormatError, OSError):
@@ -361,6 +412,7 @@ def test_mutated_files_never_crash_or_hang(tmp_path: Path) -> None:
             loaded += 1
             for vaddr in range(0x2000, 0x8000, 0x40):
                 table.rule_at(vaddr)
+            table.close()
     assert loaded > 100  # most mutations leave a readable file: the parser did run on them
     assert time.perf_counter() - t0 < 60
 
@@ -393,8 +445,13 @@ def test_table_cache_is_bounded_by_the_bytes_its_tables_hold(tmp_path: Path) -> 
                 self.build_id = elf.build_id()  # as a real table's
             self.stats = TableStats(nbytes=nbytes)
 
+        holds_file = False
+
         def __len__(self) -> int:
             return 1  # a row: as few as can be, so only the bytes can bound the cache
+
+        def close(self) -> None:
+            pass
 
     sizes = {paths[0]: 6 << 20, paths[1]: 6 << 20, paths[2]: 20 << 20}
     cache = TableCache(max_bytes=16 << 20, builder=lambda path, **_: Sized(path, sizes[path]))
@@ -405,6 +462,36 @@ def test_table_cache_is_bounded_by_the_bytes_its_tables_hold(tmp_path: Path) -> 
     assert c is not None and len(cache) == 1 and cache.nbytes == 20 << 20
     assert cache.get(paths[2]) is c and cache.builds == 3
     assert cache.get(paths[1]) is not b and cache.builds == 4
+
+
+def _open_fds() -> set[str]:
+    return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")}
+
+
+def test_table_cache_lets_files_go_when_evicted_or_idle(tmp_path: Path) -> None:
+    paths = []
+    for name in ("sleep", "true", "env"):  # three build-ids: no table shared
+        paths.append(str(tmp_path / name))
+        shutil.copy(f"/usr/bin/{name}", paths[-1])
+    now = [1000.0]
+    cache = TableCache(builder=functools.partial(load_table, in_file_from=0),
+                       max_bytes=2 * OPEN_FILE_NBYTES + (64 << 10), clock=lambda: now[0])
+    a = cache.get(paths[0])
+    b = cache.get(paths[1])
+    assert a is not None and b is not None and a.holds_file and b.holds_file
+    assert {paths[0], paths[1]} <= _open_fds()
+    now[0] += 20
+    c = cache.get(paths[2])  # over the bound: the least recently used goes, and its file
+    assert c is not None and not a.holds_file and b.holds_file and c.holds_file
+    assert paths[0] not in _open_fds() and len(cache) == 2
+    now[0] += 15  # b unused for 35 s, c for 15
+    assert cache.forget_idle(30) == 1
+    assert not b.holds_file and c.holds_file and len(cache) == 1
+    assert paths[1] not in _open_fds() and paths[2] in _open_fds()
+    assert cache.get(paths[1]) is not b and cache.builds == 4  # built again when asked for
+    now[0] += 60
+    assert cache.forget_idle(30) == 2 and len(cache) == 0 and not _open_fds() & set(paths)
 
 
 def test_a_lazy_table_holds_what_it_counts_and_its_index_once() -> None:
@@ -424,6 +511,27 @@ def test_a_lazy_table_holds_what_it_counts_and_its_index_once() -> None:
     assert held <= table.stats.nbytes * 1.1 + (64 << 10), (held, table.stats.nbytes)
     # .eh_frame_hdr's search table is kept as the index alone, not also as bytes.
     assert table.stats.nbytes < len(eh.data) + len(eh.hdr), (table.stats.nbytes, len(eh.data))
+
+
+def test_a_lazy_table_reading_its_file_holds_its_index_alone() -> None:
+    path = os.path.realpath(sys.executable)
+    with ElfFile(path) as elf:
+        eh = find_eh_frame(elf)
+    assert eh is not None and eh.hdr is not None
+    gc.collect()
+    tracemalloc.start()
+    try:
+        table = load_table(path, in_file_from=0)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(table, LazyTable) and table.holds_file
+    table.close()
+    # The index (8 bytes an FDE), not .eh_frame: python3.11's is 80 kB, its
+    # .eh_frame 400 kB (libLLVM's 0.8 and 5.5 MB).
+    assert held <= len(eh.hdr) + (64 << 10), (held, len(eh.hdr))
+    assert held < len(eh.data) / 3, (held, len(eh.data))
+    assert held <= table.stats.nbytes
 
 
 def test_maps_handles_have_no_leading_zeros(tmp_path: Path) -> None:
@@ -487,6 +595,11 @@ class FakeTable:
 
     def vaddr_of(self, file_offset: int) -> int | None:
         return file_offset + 0x400000
+
+    holds_file = False
+
+    def close(self) -> None:
+        pass
 
 
 class FakeTables:

@@ -6,11 +6,18 @@ library in a container and on the host) share one table. Files that cannot
 be read as ELF are remembered as such, so a bad file costs one attempt.
 Memory is bounded by the bytes the tables hold (`TableStats.nbytes`); the
 least recently used tables go first, the newest never (a walk needs it).
+
+A table that reads a large .eh_frame from its file keeps the file open (at
+most 64 such, by the bytes each counts for, `lazy.OPEN_FILE_NBYTES`): once
+no walk has used it for `MAX_IDLE_S`, it is let go (`forget_idle`), so that
+a program's file is not held long after the program: an open file keeps its
+filesystem busy (no unmount) and, once deleted, its blocks allocated.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -22,11 +29,13 @@ from offtop.unwind.table import DEBUG_ROOT, FileTable
 FileKey = tuple[int, int, int, int]
 
 
-#: Bytes of tables held at most. A lazy table keeps its file's .eh_frame
-#: whole: python3.11's is 0.5 MB, libc's 0.2, libLLVM's and libclang-cpp's
-#: 5.5 MB each. With bcc compiles blocking beside it, the TUI held 21-24 MB of
+#: Bytes of tables held at most. A lazy table keeps a small .eh_frame whole
+#: (python3.11's is 0.5 MB, libc's 0.2) and its index (8 bytes an FDE: libLLVM's
+#: is 0.8 MB). With bcc compiles blocking beside it, the TUI once held 21-24 MB of
 #: tables, for all its life; the bound before (8,000,000 rows) let ~550 MB be held.
 MAX_TABLE_BYTES = 16 << 20
+#: Seconds a table holding its file open is kept unused (see the module docstring).
+MAX_IDLE_S = 30.0
 
 
 class TableCache:
@@ -34,7 +43,8 @@ class TableCache:
 
     def __init__(self, *, debug_root: str = DEBUG_ROOT, limits: CfiLimits | None = None,
                  max_bytes: int = MAX_TABLE_BYTES, max_files: int = 1024,
-                 builder: Callable[..., FileTable] = load_table) -> None:
+                 builder: Callable[..., FileTable] = load_table,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._debug_root = debug_root
         self._limits = limits or CfiLimits()
         self._max_bytes = max_bytes
@@ -42,6 +52,8 @@ class TableCache:
         self._build = builder
         self._by_file: OrderedDict[FileKey, FileTable | None] = OrderedDict()
         self._by_build_id: dict[bytes, FileTable] = {}
+        self._clock = clock
+        self._used: dict[FileKey, float] = {}  #: when each file's table was last asked for
         self.nbytes = 0  #: held by the tables, as they count it
         self.builds = 0
         self.build_seconds = 0.0
@@ -58,6 +70,7 @@ class TableCache:
             self._fail("stat")
             return None
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self._used[key] = self._clock()
         if key in self._by_file:
             self._by_file.move_to_end(key)
             return self._by_file[key]
@@ -67,6 +80,17 @@ class TableCache:
             self.nbytes += table.stats.nbytes
         self._evict()
         return table
+
+    def forget_idle(self, max_idle_s: float = MAX_IDLE_S) -> int:
+        """Let go of the tables that hold their file open and were not asked for in
+        `max_idle_s`; return how many files were closed."""
+        cutoff = self._clock() - max_idle_s
+        idle = [k for k, t in self._by_file.items()
+                if t is not None and t.holds_file and self._used.get(k, 0.0) < cutoff]
+        closed = 0
+        for key in idle:
+            closed += self._drop(key)
+        return closed
 
     def _load(self, path: str) -> FileTable | None:
         try:
@@ -96,11 +120,21 @@ class TableCache:
     def _evict(self) -> None:
         while len(self._by_file) > 1 and (self.nbytes > self._max_bytes
                                           or len(self._by_file) > self._max_files):
-            _, old = self._by_file.popitem(last=False)
-            if old is None:
-                continue
-            # Bytes are counted once per file holding the table (shared tables
-            # count twice: the bound errs on the safe side).
-            self.nbytes -= old.stats.nbytes
-            if old.build_id is not None and not any(t is old for t in self._by_file.values()):
-                self._by_build_id.pop(old.build_id, None)
+            self._drop(next(iter(self._by_file)))
+
+    def _drop(self, key: FileKey) -> bool:
+        """Forget one file's table; True if that closed a file it held open."""
+        old = self._by_file.pop(key)
+        self._used.pop(key, None)
+        if old is None:
+            return False
+        # Bytes are counted once per file holding the table (shared tables
+        # count twice: the bound errs on the safe side).
+        self.nbytes -= old.stats.nbytes
+        if any(t is old for t in self._by_file.values()):
+            return False  # still another file's (one build-id)
+        if old.build_id is not None:
+            self._by_build_id.pop(old.build_id, None)
+        held = old.holds_file
+        old.close()
+        return held

@@ -333,17 +333,60 @@ def fde_cie(cies: dict[int, Cie | None], fde: Fde) -> Cie:
     return cie
 
 
-def fde_at(data: bytes, pos: int, bases: Bases, cies: dict[int, Cie | None]) -> Fde | None:
-    """The .eh_frame FDE at section offset `pos` (as .eh_frame_hdr points to it).
+#: The longest .eh_frame entry `fde_read` reads (real ones are well under 1 KB).
+MAX_ENTRY_BYTES = 1 << 20
+
+
+def fde_read(read: Callable[[int, int], bytes], size: int, pos: int, bases: Bases,
+             cies: dict[int, Cie | None]) -> Fde | None:
+    """The .eh_frame FDE at section offset `pos` (as .eh_frame_hdr points to it), of a
+    section of `size` bytes read piecewise: `read(offset, n)` gives its bytes at
+    `offset` (fewer past its end). Only the FDE's own bytes are read, and its CIE's
+    the first time (kept in `cies` by section offset).
 
     None when `pos` holds no usable FDE; CfiError (or IndexError) when malformed.
     """
-    if not 0 <= pos <= len(data) - 8:
+    if not 0 <= pos <= size - 8:
         raise CfiError("FDE pointer outside the section")
-    e = _entry(data, pos, eh=True)
+    window = _entry_bytes(read, size, pos)
+    e = _entry(window, 0, eh=True)
     if e is None or e.is_cie:
         return None
-    return _parse_fde(data, e.body, e.end, e.cie_at, cies, bases, eh=True)
+    cie_at = pos + e.cie_at
+    if cie_at not in cies:
+        if not 0 <= cie_at < size - 8:
+            raise CfiError("CIE pointer outside the section")
+        try:
+            cies[cie_at] = _parse_cie_at(_entry_bytes(read, size, cie_at), 0,
+                                         _moved(bases, cie_at), eh=True)
+        except (CfiError, IndexError, struct.error):
+            cies[cie_at] = None
+            raise
+    return _parse_fde(window, e.body, e.end, cie_at, cies, _moved(bases, pos), eh=True)
+
+
+def _entry_bytes(read: Callable[[int, int], bytes], size: int, at: int) -> bytes:
+    """The whole entry at section offset `at` (its length field first)."""
+    head = read(at, 12)
+    if len(head) < 4:
+        raise CfiError("entry runs past the section")
+    length = _U32(head, 0)[0]
+    total = 4 + length
+    if length == 0xFFFFFFFF:
+        if len(head) < 12:
+            raise CfiError("entry runs past the section")
+        total = 12 + _U64(head, 4)[0]
+    if total > MAX_ENTRY_BYTES or at + total > size:
+        raise CfiError("entry length runs past the section")
+    window = read(at, total)
+    if len(window) != total:
+        raise CfiError("entry not read whole")
+    return window
+
+
+def _moved(bases: Bases, pos: int) -> Bases:
+    """`bases` for bytes that begin `pos` into the section (pc-relative pointers)."""
+    return Bases(bases.section_vaddr + pos, bases.text, bases.data, bases.read_u64)
 
 
 def _parse_fde(data: bytes, pos: int, end: int, cie_at: int, cies: dict[int, Cie | None],

@@ -89,6 +89,11 @@ class ElfFile:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called (reads fail from then on)."""
+        return self._fd < 0
+
     def close(self) -> None:
         """Close the file descriptor (idempotent)."""
         if self._fd >= 0:

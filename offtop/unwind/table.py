@@ -36,7 +36,7 @@ from offtop.unwind.cfi import (
     iter_entries,
     read_encoded,
 )
-from offtop.unwind.elffile import SHT_NOBITS, ElfFile, ElfFormatError, LoadSegment
+from offtop.unwind.elffile import SHF_COMPRESSED, SHT_NOBITS, ElfFile, ElfFormatError, LoadSegment
 from offtop.unwind.rules import Rule
 
 DEBUG_ROOT = "/usr/lib/debug"
@@ -70,6 +70,13 @@ class FileTable(Protocol):
 
     def vaddr_of(self, file_offset: int) -> int | None:
         """The virtual address a file offset is loaded at, if in a PT_LOAD segment."""
+
+    @property
+    def holds_file(self) -> bool:
+        """Whether the table keeps its file open (to read it as walks need)."""
+
+    def close(self) -> None:
+        """Let go of any file the table reads from (idempotent)."""
 
 
 def vaddr_in(segments: list[LoadSegment], file_offset: int) -> int | None:
@@ -105,6 +112,11 @@ class UnwindTable:
     def vaddr_of(self, file_offset: int) -> int | None:
         """The virtual address a file offset is loaded at, if in a PT_LOAD segment."""
         return vaddr_in(self.segments, file_offset)
+
+    holds_file = False  #: the table is all in memory
+
+    def close(self) -> None:
+        """Nothing is held open."""
 
     def rows(self) -> list[tuple[int, Rule | None]]:
         """All rows (pc, rule), for tests and for exporting the table elsewhere."""
@@ -214,10 +226,12 @@ def _append(pcs: array[int], ids: array[int], pc: int, rid: int) -> None:
 class EhFrame:
     """A file's .eh_frame bytes and addresses, and its .eh_frame_hdr if any."""
 
-    data: bytes
+    data: bytes  #: empty when left in the file (`in_file`)
     bases: Bases
     hdr: bytes | None  #: the whole .eh_frame_hdr section (binary search table included)
     hdr_vaddr: int
+    #: (file offset, size) of an .eh_frame not read (`find_eh_frame`'s `read_below`)
+    in_file: tuple[int, int] | None = None
 
 
 def read_u64_at(elf: ElfFile, vaddr: int) -> int | None:
@@ -231,8 +245,12 @@ def read_u64_at(elf: ElfFile, vaddr: int) -> int | None:
         return None
 
 
-def find_eh_frame(elf: ElfFile) -> EhFrame | None:
-    """.eh_frame and .eh_frame_hdr, from section headers or else PT_GNU_EH_FRAME."""
+def find_eh_frame(elf: ElfFile, *, read_below: int | None = None) -> EhFrame | None:
+    """.eh_frame and .eh_frame_hdr, from section headers or else PT_GNU_EH_FRAME.
+
+    With `read_below`, an .eh_frame stored plainly (not compressed) of that many
+    bytes or more is not read: its place in the file is given (`EhFrame.in_file`).
+    """
     got = elf.sections.get(".got")
     hdr_vaddr = elf.eh_frame_hdr_vaddr
     hdr: bytes | None = None
@@ -247,9 +265,14 @@ def find_eh_frame(elf: ElfFile) -> EhFrame | None:
             except ElfFormatError:
                 hdr = None
     sec = elf.sections.get(".eh_frame")
+    in_file: tuple[int, int] | None = None
     if sec is not None and sec.type != SHT_NOBITS:
-        data = elf.section_data(".eh_frame")
         vaddr = sec.addr
+        if (read_below is not None and sec.size >= read_below and not sec.flags & SHF_COMPRESSED
+                and 0 <= sec.offset <= elf.size - sec.size):
+            data, in_file = b"", (sec.offset, sec.size)
+        else:
+            data = elf.section_data(".eh_frame") or b""
     else:
         # No section headers: .eh_frame starts where the header points and
         # runs to its terminator, inside the segment that holds it.
@@ -260,11 +283,15 @@ def find_eh_frame(elf: ElfFile) -> EhFrame | None:
         seg_end = elf.segment_end_at(vaddr_)
         if off is None or seg_end is None:
             return None
-        data, vaddr = elf.read(off, seg_end - vaddr_), vaddr_
-    if not data:
+        vaddr, size = vaddr_, seg_end - vaddr_
+        if read_below is not None and size >= read_below and off + size <= elf.size:
+            data, in_file = b"", (off, size)
+        else:
+            data = elf.read(off, size)
+    if not data and in_file is None:
         return None
     bases = Bases(vaddr, data=got.addr if got else None, read_u64=lambda v: read_u64_at(elf, v))
-    return EhFrame(data, bases, hdr, hdr_vaddr or 0)
+    return EhFrame(data, bases, hdr, hdr_vaddr or 0, in_file)
 
 
 def _hdr_eh_frame_ptr(hdr: bytes, hdr_vaddr: int) -> int | None:

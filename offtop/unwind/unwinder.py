@@ -258,10 +258,13 @@ class Unwinder:
     def forget_gone(self, start_time: Callable[[int], int | None]) -> int:
         """Drop the rule walks of processes gone (`start_time(pid)` None); return how
         many. Under process churn they piled up to `MAX_RULE_WALKS`, each holding its
-        process's mappings."""
+        process's mappings. Tables idle with their file open let it go too
+        (`TableCache.forget_idle`)."""
         gone = [pid for pid in self._rule_walks if start_time(pid) is None]
         for pid in gone:
             del self._rule_walks[pid]
+        if isinstance(self.tables, TableCache):
+            self.tables.forget_idle()  # files held open by tables no walk uses
         return len(gone)
 
     def counters(self) -> dict[str, int]:
