@@ -21,6 +21,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -415,6 +416,30 @@ def test_mutated_files_never_crash_or_hang(tmp_path: Path) -> None:
             table.close()
     assert loaded > 100  # most mutations leave a readable file: the parser did run on them
     assert time.perf_counter() - t0 < 60
+
+
+def test_a_fifo_or_device_mapped_by_a_process_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opened for reading, a FIFO waits for a writer: forever
+    results: list[object] = []
+
+    def attempt() -> None:
+        for path in (str(fifo), "/dev/null"):
+            try:
+                ElfFile(path)
+            except OSError as e:
+                results.append(e)
+        results.append(TableCache().get(str(fifo)))
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():
+        with open(fifo, "wb"):  # let the blocked open return, so the test ends
+            pass
+        pytest.fail("opening a FIFO as an ELF file blocked")
+    assert [type(r) for r in results] == [OSError, OSError, type(None)]
+    assert all("not a regular file" in str(e) for e in results[:2])
 
 
 def test_table_cache_shares_by_build_id_and_remembers_failures(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """The parts of an ELF file that unwinding needs, read with bounded preads.
 
-The unwinder reads files that other processes map: they are untrusted. So
-nothing here maps a file (a file truncated under a mapping raises SIGBUS in
-offtop), every offset and size is checked against the file's size before it
-is read, and every section read is capped. Only what call-frame information
+The unwinder reads files that other processes map: they are untrusted. So a
+file is opened only if it is a regular one, without blocking
+(`safe_files.open_regular`), nothing here maps a file (a file truncated under
+a mapping raises SIGBUS in offtop), every offset and size is checked against
+the file's size before it is read, and every section read is capped. Only what call-frame information
 needs is read: PT_LOAD segments (file offset -> virtual address), the
 PT_GNU_EH_FRAME segment (finds .eh_frame_hdr when section headers are
 stripped), named section headers, and the GNU build-id.
@@ -11,10 +12,13 @@ stripped), named section headers, and the GNU build-id.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import zlib
 from dataclasses import dataclass
+
+from offtop.safe_files import FileRefused, open_regular
 
 _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _PHDR = struct.Struct("<IIQQQQQQ")
@@ -75,12 +79,18 @@ class ElfFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # Opened only if regular, without blocking (safe_files): a process can map
+        # files offtop would otherwise open as root.
         try:
-            self.size = os.fstat(self._fd).st_size
+            self._file = open_regular(path)
+        except FileRefused as e:
+            raise OSError(e.os_errno or errno.EINVAL, f"{path}: {e}") from None
+        self._fd = self._file.fd
+        try:
+            self.size = self._file.size
             self._parse_headers()
         except BaseException:
-            os.close(self._fd)
+            self.close()
             raise
 
     def __enter__(self) -> ElfFile:
@@ -96,9 +106,8 @@ class ElfFile:
 
     def close(self) -> None:
         """Close the file descriptor (idempotent)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._file.close()
+        self._fd = -1
 
     def read(self, offset: int, size: int) -> bytes:
         """Exactly `size` bytes at `offset`, or ElfFormatError when out of the file."""
