@@ -8,10 +8,12 @@ Memory is bounded by the bytes the tables hold (`TableStats.nbytes`); the
 least recently used tables go first, the newest never (a walk needs it).
 
 A table that reads a large .eh_frame from its file keeps the file open (at
-most 64 such, by the bytes each counts for, `lazy.OPEN_FILE_NBYTES`): once
-no walk has used it for `MAX_IDLE_S`, it is let go (`forget_idle`), so that
-a program's file is not held long after the program: an open file keeps its
-filesystem busy (no unmount) and, once deleted, its blocks allocated.
+most 64 such in the cache, by the bytes each counts for,
+`lazy.OPEN_FILE_NBYTES`), until nothing holds the table. Once no rule has
+been asked of it for `MAX_IDLE_S` (through the cache or through a walk that
+kept it), the cache lets it go (`forget_idle`), so that a program's file is
+not held long after the program: an open file keeps its filesystem busy (no
+unmount) and, once deleted, its blocks allocated.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class TableCache:
         self._by_file: OrderedDict[FileKey, FileTable | None] = OrderedDict()
         self._by_build_id: dict[bytes, FileTable] = {}
         self._clock = clock
-        self._used: dict[FileKey, float] = {}  #: when each file's table was last asked for
+        #: When each file's table was last seen in use, and its lookups then.
+        self._used: dict[FileKey, tuple[float, int]] = {}
         self.nbytes = 0  #: held by the tables, as they count it
         self.builds = 0
         self.build_seconds = 0.0
@@ -70,27 +73,38 @@ class TableCache:
             self._fail("stat")
             return None
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        self._used[key] = self._clock()
         if key in self._by_file:
             self._by_file.move_to_end(key)
-            return self._by_file[key]
+            table = self._by_file[key]
+            if table is not None:
+                self._used[key] = (self._clock(), table.lookups)
+            return table
         table = self._load(path)
         self._by_file[key] = table
+        if table is not None:
+            self._used[key] = (self._clock(), table.lookups)
         if table is not None:
             self.nbytes += table.stats.nbytes
         self._evict()
         return table
 
     def forget_idle(self, max_idle_s: float = MAX_IDLE_S) -> int:
-        """Let go of the tables that hold their file open and were not asked for in
-        `max_idle_s`; return how many files were closed."""
-        cutoff = self._clock() - max_idle_s
-        idle = [k for k, t in self._by_file.items()
-                if t is not None and t.holds_file and self._used.get(k, 0.0) < cutoff]
-        closed = 0
+        """Let go of the tables that hold their file open and had no rule asked of
+        them for `max_idle_s`; return how many. Call it more often than that: use
+        is seen by the lookups a table counts between two calls."""
+        now = self._clock()
+        idle = []
+        for key, table in self._by_file.items():
+            if table is None or not table.holds_file:
+                continue
+            at, lookups = self._used.get(key, (now, -1))
+            if table.lookups != lookups:
+                self._used[key] = (now, table.lookups)
+            elif at < now - max_idle_s:
+                idle.append(key)
         for key in idle:
-            closed += self._drop(key)
-        return closed
+            self._drop(key)
+        return len(idle)
 
     def _load(self, path: str) -> FileTable | None:
         try:
@@ -122,19 +136,14 @@ class TableCache:
                                           or len(self._by_file) > self._max_files):
             self._drop(next(iter(self._by_file)))
 
-    def _drop(self, key: FileKey) -> bool:
-        """Forget one file's table; True if that closed a file it held open."""
+    def _drop(self, key: FileKey) -> None:
+        """Forget one file's table (a file it reads is closed once nothing holds it)."""
         old = self._by_file.pop(key)
         self._used.pop(key, None)
         if old is None:
-            return False
+            return
         # Bytes are counted once per file holding the table (shared tables
         # count twice: the bound errs on the safe side).
         self.nbytes -= old.stats.nbytes
-        if any(t is old for t in self._by_file.values()):
-            return False  # still another file's (one build-id)
-        if old.build_id is not None:
+        if old.build_id is not None and not any(t is old for t in self._by_file.values()):
             self._by_build_id.pop(old.build_id, None)
-        held = old.holds_file
-        old.close()
-        return held

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import struct
 import time
+import weakref
 from array import array
 
 from offtop.unwind.cfi import Bases, CfiError, CfiLimits, Cie, Rows, StateKey, fde_read, fde_rows
@@ -69,14 +70,17 @@ class HeldSection:
 
 
 class SectionInFile:
-    """An .eh_frame read from its file on demand, through `elf` (kept open until
-    `close`). Reads are bounded by the section and checked (`ElfFile.read`)."""
+    """An .eh_frame read from its file on demand, through `elf`: kept open until
+    `close`, or until nothing holds the section any more (a table evicted from the
+    cache stays whole for a walk that still holds it). Reads are bounded by the
+    section and checked (`ElfFile.read`)."""
 
     def __init__(self, elf: ElfFile, offset: int, size: int) -> None:
         self._elf = elf
         self._offset = offset
         self.size = size
         self.nbytes = OPEN_FILE_NBYTES
+        self._closer = weakref.finalize(self, elf.close)
 
     def read(self, at: int, n: int) -> bytes:
         """`n` bytes at section offset `at` (fewer past the end); ElfFormatError or
@@ -87,11 +91,11 @@ class SectionInFile:
     @property
     def open(self) -> bool:
         """Whether the file is still held (not `close`d)."""
-        return not self._elf.closed
+        return self._closer.alive
 
     def close(self) -> None:
         """Let the file go (idempotent); reads fail from then on."""
-        self._elf.close()
+        self._closer()
 
 
 class LazyTable:
@@ -116,6 +120,7 @@ class LazyTable:
         self.build_id = build_id
         self.stats = stats
         self.errors: dict[str, int] = {}  #: FDEs found unusable on lookup, by cause
+        self.lookups = 0  #: rules asked for, by any holder (the cache tells idle tables by it)
 
     def __len__(self) -> int:
         # Rows held, for the cache's memory bound: the index counts as one row per FDE.
@@ -137,6 +142,7 @@ class LazyTable:
 
     def rule_at(self, vaddr: int) -> Rule | None:
         """The rule for an instruction at `vaddr`, or None where no FDE covers it."""
+        self.lookups += 1
         hv = self._hdr_vaddr
         i = bisect.bisect_right(self._starts, vaddr - hv) - 1
         if i >= 0:

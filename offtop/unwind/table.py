@@ -75,8 +75,9 @@ class FileTable(Protocol):
     def holds_file(self) -> bool:
         """Whether the table keeps its file open (to read it as walks need)."""
 
-    def close(self) -> None:
-        """Let go of any file the table reads from (idempotent)."""
+    @property
+    def lookups(self) -> int:
+        """Rules asked for so far (counted where the table holds its file)."""
 
 
 def vaddr_in(segments: list[LoadSegment], file_offset: int) -> int | None:
@@ -114,9 +115,7 @@ class UnwindTable:
         return vaddr_in(self.segments, file_offset)
 
     holds_file = False  #: the table is all in memory
-
-    def close(self) -> None:
-        """Nothing is held open."""
+    lookups = 0  #: not counted: only tables that hold their file are let go when idle
 
     def rows(self) -> list[tuple[int, Rule | None]]:
         """All rows (pc, rule), for tests and for exporting the table elsewhere."""
