@@ -989,6 +989,20 @@ GDB_CASES = {
 @pytest.mark.skipif(os.geteuid() != 0, reason="gdb must attach to a process that is not its child: root")
 @pytest.mark.parametrize("name", [*GDB_CASES, "nofp-read", "nofp-deref", "nofp-thread", "nofp-signal"])
 def test_same_frames_as_gdb(name: str, nofp_bin: Path) -> None:
+    _same_frames_as_gdb(name, nofp_bin, Unwinder())
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed (Debian's gdb)")
+@pytest.mark.skipif(os.geteuid() != 0, reason="gdb must attach to a process that is not its child: root")
+@pytest.mark.parametrize("name", ["python3", "gzip", "nofp-signal"])
+def test_same_frames_as_gdb_with_tables_read_from_their_files(name: str, nofp_bin: Path) -> None:
+    # Every table reads its FDEs from its file, as libLLVM's does (1 MB and more).
+    tables = TableCache(builder=functools.partial(load_table, in_file_from=0))
+    _same_frames_as_gdb(name, nofp_bin, Unwinder(tables))
+    assert os.path.realpath(LIBC) in _open_fds()  # libc's table reads libc, held open
+
+
+def _same_frames_as_gdb(name: str, nofp_bin: Path, unwinder: Unwinder) -> None:
     if name.startswith("nofp-"):
         ctx = blocked([str(nofp_bin), name.removeprefix("nofp-")], ready_line=True)
     else:
@@ -997,7 +1011,7 @@ def test_same_frames_as_gdb(name: str, nofp_bin: Path) -> None:
             pytest.skip(f"{cmd[0]} is not installed")
         ctx = blocked(cmd, stdin=stdin)
     with ctx as (pid, tid):
-        r = Unwinder().unwind_blocked(pid, tid)  # read first: gdb stops the target
+        r = unwinder.unwind_blocked(pid, tid)  # read first: gdb stops the target
         gdb = _gdb_frames(pid, tid)
     assert len(gdb) >= 4, "gdb showed no backtrace"
     ours = [a if g is not None else None for a, g in zip(r.addresses, gdb, strict=False)]
