@@ -32,7 +32,7 @@ FileKey = tuple[int, int, int, int]
 
 
 #: Bytes of tables held at most. A lazy table keeps a small .eh_frame whole
-#: (python3.11's is 0.5 MB, libc's 0.2) and its index (8 bytes an FDE: libLLVM's
+#: (python3.11's is 0.4 MB, libc's 0.2) and its index (8 bytes an FDE: libLLVM's
 #: is 0.8 MB). With bcc compiles blocking beside it, the TUI once held 21-24 MB of
 #: tables, for all its life; the bound before (8,000,000 rows) let ~550 MB be held.
 MAX_TABLE_BYTES = 16 << 20
@@ -83,7 +83,6 @@ class TableCache:
         self._by_file[key] = table
         if table is not None:
             self._used[key] = (self._clock(), table.lookups)
-        if table is not None:
             self.nbytes += table.stats.nbytes
         self._evict()
         return table

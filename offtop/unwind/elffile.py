@@ -4,10 +4,10 @@ The unwinder reads files that other processes map: they are untrusted. So a
 file is opened only if it is a regular one, without blocking
 (`safe_files.open_regular`), nothing here maps a file (a file truncated under
 a mapping raises SIGBUS in offtop), every offset and size is checked against
-the file's size before it is read, and every section read is capped. Only what call-frame information
-needs is read: PT_LOAD segments (file offset -> virtual address), the
-PT_GNU_EH_FRAME segment (finds .eh_frame_hdr when section headers are
-stripped), named section headers, and the GNU build-id.
+the file's size before it is read, and every section read is capped. Only
+what call-frame information needs is read: PT_LOAD segments (file offset ->
+virtual address), the PT_GNU_EH_FRAME segment (finds .eh_frame_hdr when
+section headers are stripped), named section headers, and the GNU build-id.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ _TABLE_ENC = 0x3B
 #: FDEs whose rows are kept; past this the memo starts over.
 MAX_MEMO = 65536
 #: An .eh_frame of this many bytes or more is read from its file as walks need
-#: it (python3.11's is 0.5 MB, libc's 0.2: held; libLLVM's 5.5: read).
+#: it (python3.11's is 0.4 MB, libc's 0.2: held; libLLVM's 5.5: read).
 READ_IN_FILE_FROM = 1 << 20
 #: What a descriptor kept open counts for in a table's bytes (`TableStats.nbytes`):
 #: the cache's bound on bytes, 16 MB, so also keeps at most 64 files open.
