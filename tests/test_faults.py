@@ -6,6 +6,7 @@ long-running version of these (a 30-minute soak) is `bench/soak.py`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import itertools
@@ -222,6 +223,47 @@ def test_lost_events_are_counted(bpf_available: None, workloads: Any) -> None:
     assert st[-1].lost_total == sum(s.lost for s in st)
     # The program also counts its failed perf_submit calls.
     assert later[-1].stats.drops.get("perf output failed", 0) > 0, later[-1].stats.drops
+
+
+def test_ring_pages_stay_within_their_budget_as_cpus_grow() -> None:
+    from offtop.bpf.config import EngineConfig
+    from offtop.bpf.perf_ring import ring_pages
+
+    cfg = EngineConfig()
+    for cpus, events, stacks in [(1, 256, 64), (2, 256, 64), (8, 256, 64), (16, 128, 32),
+                                 (64, 32, 8), (256, 16, 8), (1024, 16, 8)]:
+        got = (ring_pages(cfg.perf_pages, cfg.perf_pages_total, cpus, least=16),
+               ring_pages(cfg.new_stack_pages, cfg.new_stack_pages_total, cpus, least=8))
+        assert got == (events, stacks), cpus
+        # Within the budget, or else at the least a ring may have.
+        assert cpus * events <= max(cfg.perf_pages_total, cpus * 16), cpus
+        assert cpus * stacks <= max(cfg.new_stack_pages_total, cpus * 8), cpus
+    assert ring_pages(256, 2048, 3, least=16) == 256  # a power of two, rounded down
+    assert ring_pages(256, 2048, 12, least=16) == 128  # 170 pages a CPU would be over
+    assert ring_pages(1, 2048, 2, least=16) == 1  # the most per CPU wins over the least
+
+
+@pytest.mark.bpf
+def test_the_engine_sizes_its_rings_by_the_budget(bpf_available: None) -> None:
+    """The rings are sized by the budget over this machine's CPUs, as the kernel maps them."""
+    from offtop.bpf.perf_ring import online_cpus
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    cpus = len(online_cpus())
+
+    def ring_maps() -> collections.Counter[int]:
+        sizes: collections.Counter[int] = collections.Counter()
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            if line.endswith("[perf_event]"):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                sizes[(hi - lo) // page - 1] += 1  # data pages (one more for the header)
+        return sizes
+
+    before = ring_maps()
+    with engine(perf_pages_total=32 * cpus, new_stack_pages_total=8 * cpus):
+        during = ring_maps() - before
+    assert during == collections.Counter({32: cpus, 8: cpus}), during
+    assert not ring_maps() - before  # unmapped at close
 
 
 # --- stack map saturation ---------------------------------------------------------

@@ -50,9 +50,16 @@ class EngineConfig:
     #: Unwinding rules taught to the probe at most, over the processes alive
     #: (offcpu.c unwind_rules holds 65,536; a gone process's are deleted).
     unwind_rules: int = 65_536
+    #: Pages of the events' ring per CPU (~120 bytes an event), at most: a machine
+    #: with more CPUs gets smaller rings, all of them within `perf_pages_total`
+    #: (`perf_ring.ring_pages`), so that their memory does not grow with its CPUs:
+    #: 1 MiB a CPU up to 8 CPUs, then 8 MiB in all (64 KiB a CPU at least).
     perf_pages: int = 256
-    #: Pages per CPU of the ring new user stacks come through (~150 bytes each).
+    perf_pages_total: int = 2048
+    #: Pages per CPU of the ring new user stacks come through (~150 bytes each), at
+    #: most, and in all: 256 KiB a CPU up to 8 CPUs, then 2 MiB (32 KiB at least).
     new_stack_pages: int = 64
+    new_stack_pages_total: int = 512
     wakeup_events: int = 64
     subtick_s: float = 0.25
     first_interval_s: float = 0.5

@@ -40,7 +40,7 @@ from offtop.bpf.decode import (
     state_name,
 )
 from offtop.bpf.flood import FloodControl
-from offtop.bpf.perf_ring import PerfRing
+from offtop.bpf.perf_ring import PerfRing, online_cpus, ring_pages
 from offtop.bpf.probe import Probe, RawRow, RawSums, agg_key
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import PythonFrames
@@ -245,13 +245,17 @@ class BpfSource:
         cfg = self.config
         try:
             self.probe.load(self.flood.effective(self._user_threshold_ns))
-            self._ring = PerfRing(self.probe.set_perf_fd, pages=cfg.perf_pages,
-                                  wakeup_events=cfg.wakeup_events)
+            cpus = len(online_cpus())
+            self._ring = PerfRing(
+                self.probe.set_perf_fd, wakeup_events=cfg.wakeup_events,
+                pages=ring_pages(cfg.perf_pages, cfg.perf_pages_total, cpus, least=16))
             if cfg.user_stacks and self.probe.has_map(NEW_USER_STACKS):
                 # Drained at each sub-tick, never waited on: no wakeups wanted.
                 self._stack_ring = PerfRing(
                     functools.partial(self.probe.set_perf_fd, ring=NEW_USER_STACKS),
-                    pages=cfg.new_stack_pages, wakeup_events=1 << 30)
+                    pages=ring_pages(cfg.new_stack_pages, cfg.new_stack_pages_total, cpus,
+                                     least=8),
+                    wakeup_events=1 << 30)
             # The program records nothing until its maps are set and every
             # CPU's ring is in place (else its first events would fail).
             self.probe.arm()

@@ -98,6 +98,14 @@ def online_cpus() -> list[int]:
     return cpus
 
 
+def ring_pages(most: int, total: int, cpus: int, *, least: int) -> int:
+    """Pages of ring for each of `cpus` CPUs: `most`, or fewer, so that all the rings
+    together stay within `total` pages, but never fewer than `least` (nor more than
+    `most`); a power of two, as the kernel wants."""
+    pages = min(most, max(least, total // max(1, cpus)))
+    return 1 << (max(1, pages).bit_length() - 1)
+
+
 @dataclass(slots=True)
 class _Ring:
     cpu: int
@@ -124,6 +132,7 @@ class PerfRing:
     ) -> None:
         if pages <= 0 or pages & (pages - 1):
             raise ValueError("pages must be a power of two")
+        self.pages = pages  #: of data, per CPU
         self._libc = syscalls.libc()
         self._rings: list[_Ring] = []
         self._epoll = select.epoll()
