@@ -243,6 +243,23 @@ def test_ring_pages_stay_within_their_budget_as_cpus_grow() -> None:
     assert ring_pages(1, 2048, 2, least=16) == 1  # the most per CPU wins over the least
 
 
+@pytest.mark.parametrize("limits, want", [
+    ((256, 4096), 2048 + 1024),  # raised for 1,024 CPUs' rings
+    ((256, 1500), 1500),  # as far as the hard limit lets it
+    ((8192, 8192), 8192),  # already enough: left alone
+])
+def test_the_soft_limit_on_open_files_makes_room_for_the_rings(
+        limits: tuple[int, int], want: int) -> None:
+    code = ("import resource, sys\n"
+            "from offtop.bpf.perf_ring import make_room_for_files\n"
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, {limits})\n"
+            "make_room_for_files(2 * 1024)\n"
+            "print(*resource.getrlimit(resource.RLIMIT_NOFILE))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout.split()
+    assert [int(x) for x in out] == [want, limits[1]]
+
+
 @pytest.mark.bpf
 def test_the_engine_sizes_its_rings_by_the_budget(bpf_available: None) -> None:
     """The rings are sized by the budget over this machine's CPUs, as the kernel maps them."""

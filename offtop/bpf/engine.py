@@ -40,7 +40,7 @@ from offtop.bpf.decode import (
     state_name,
 )
 from offtop.bpf.flood import FloodControl
-from offtop.bpf.perf_ring import PerfRing, online_cpus, ring_pages
+from offtop.bpf.perf_ring import PerfRing, make_room_for_files, online_cpus, ring_pages
 from offtop.bpf.probe import Probe, RawRow, RawSums, agg_key
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import PythonFrames
@@ -246,6 +246,7 @@ class BpfSource:
         try:
             self.probe.load(self.flood.effective(self._user_threshold_ns))
             cpus = len(online_cpus())
+            make_room_for_files(2 * cpus)
             self._ring = PerfRing(
                 self.probe.set_perf_fd, wakeup_events=cfg.wakeup_events,
                 pages=ring_pages(cfg.perf_pages, cfg.perf_pages_total, cpus, least=16))

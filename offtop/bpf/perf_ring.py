@@ -18,6 +18,7 @@ import contextlib
 import ctypes as ct
 import mmap
 import os
+import resource
 import select
 import struct
 from collections.abc import Callable
@@ -96,6 +97,19 @@ def online_cpus() -> list[int]:
         elif part:
             cpus.append(int(part))
     return cpus
+
+
+def make_room_for_files(more: int, *, margin: int = 1024) -> None:
+    """Raise the soft limit on open files (toward the hard one) so that `more`
+    descriptors fit beside `margin` others: rings take one a CPU each, and the
+    usual soft limit (1,024) is what a 512-CPU machine needs for two rings."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = more + margin
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
 
 
 def ring_pages(most: int, total: int, cpus: int, *, least: int) -> int:
