@@ -30,10 +30,11 @@ import struct
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 from offtop.demangle import demangle
+from offtop.packed_strings import PackedStrings
 from offtop.safe_files import FileRefused, SafeFile, open_regular
 
 DEBUG_ROOT = "/usr/lib/debug"
@@ -66,6 +67,9 @@ MAX_NOTE_BYTES = 64 << 10
 MAX_FUNCTIONS = 1 << 20  # function symbols kept per file
 MAX_NAME_BYTES = 2048  # of a raw (mangled) name; longer ones are cut
 MAX_NAME_CHARS = 1024  # of a shown (demangled) name
+#: A string table this large or larger is kept compressed (`PackedStrings`):
+#: libLLVM-14's .dynstr, 3.0 MB, in 0.73 MB. libc's (0.16 MB) is held as read.
+PACK_FROM = 256 << 10
 _STEP_SYMBOLS = 16384  # symbol entries per loading step (~0.4 MB, a few ms)
 _STEP_BYTES = 1 << 20  # bytes read per loading step
 
@@ -110,11 +114,13 @@ class ElfSymbols:
 
     Names stay in the file's own string tables and are decoded (and
     demangled) only when looked up, since a frame hits a handful of the
-    thousands a library holds.
+    thousands a library holds. A large string table is kept compressed
+    (`PackedStrings`, from `PACK_FROM`).
     """
 
     def __init__(self, segments: list[Segment], starts: array[int], ends: array[int],
-                 refs: array[int], strtabs: list[bytes], build_id: bytes | None = None) -> None:
+                 refs: array[int], strtabs: Sequence[bytes | PackedStrings],
+                 build_id: bytes | None = None) -> None:
         self.segments = sorted(segments, key=lambda s: s.offset)
         self._starts = starts
         self._ends = ends
@@ -131,7 +137,8 @@ class ElfSymbols:
         """Roughly what this table holds in memory (for the cache's budget)."""
         # Fixed at construction (the cache subtracts what it added); the
         # shown-name cache beside it is capped at 4096 entries.
-        return 24 * len(self._starts) + sum(len(t) for t in self._strtabs) + 4096
+        return 24 * len(self._starts) + 4096 + sum(
+            t.nbytes if isinstance(t, PackedStrings) else len(t) for t in self._strtabs)
 
     def vaddr_of(self, file_offset: int) -> int | None:
         """The virtual address a file offset is loaded at, if it is in a segment."""
@@ -293,10 +300,12 @@ def _scan(f: SafeFile, symtab: _Section, strtab: _Section,
     found.strtabs.append(data)
 
 
-def _name(strtabs: list[bytes], ref: int) -> bytes:
+def _name(strtabs: Sequence[bytes | PackedStrings], ref: int) -> bytes:
     """A name from a string table: up to its NUL, at most MAX_NAME_BYTES."""
     table = strtabs[ref >> 32]
     off = ref & 0xFFFFFFFF
+    if isinstance(table, PackedStrings):
+        return table.string_at(off, MAX_NAME_BYTES)
     end = table.find(b"\0", off, off + MAX_NAME_BYTES)
     return table[off: end if end >= 0 else min(len(table), off + MAX_NAME_BYTES)]
 
@@ -312,9 +321,10 @@ def _sorted_indexes(values: array[int]) -> Generator[None, None, Iterator[int]]:
     return (k % scale for k in heapq.merge(*runs))
 
 
-def _finish(segments: list[Segment], found: _Candidates,
-            build_id: bytes | None) -> Generator[None, None, ElfSymbols]:
-    """Sorted, one symbol per address: of several, the name a programmer would call."""
+def _finish(segments: list[Segment], found: _Candidates, build_id: bytes | None,
+            pack_from: int) -> Generator[None, None, ElfSymbols]:
+    """Sorted, one symbol per address: of several, the name a programmer would call.
+    String tables of `pack_from` bytes or more are kept compressed (`PackedStrings`)."""
     order = yield from _sorted_indexes(found.values)
     values, sizes, refs = found.values, found.sizes, found.refs
     starts: array[int] = array("Q")
@@ -337,11 +347,16 @@ def _finish(segments: list[Segment], found: _Candidates,
                 kept[-1] = i
         if count % 8192 == 8191:
             yield
-    return ElfSymbols(segments, starts, ends, array("Q", (refs[i] for i in kept)),
-                      found.strtabs, build_id)
+    strtabs: list[bytes | PackedStrings] = []
+    for table in found.strtabs:
+        strtabs.append((yield from PackedStrings.packing(table)) if len(table) >= pack_from
+                       else table)
+    return ElfSymbols(segments, starts, ends, array("Q", (refs[i] for i in kept)), strtabs,
+                      build_id)
 
 
-def load_steps(f: SafeFile, *, debug_root: str = DEBUG_ROOT) -> Generator[None, None, ElfSymbols]:
+def load_steps(f: SafeFile, *, debug_root: str = DEBUG_ROOT,
+               pack_from: int = PACK_FROM) -> Generator[None, None, ElfSymbols]:
     """Load an open ELF file's symbols, yielding between bounded steps.
 
     Takes .symtab from the detached debug file named by the build-id when
@@ -357,7 +372,7 @@ def load_steps(f: SafeFile, *, debug_root: str = DEBUG_ROOT) -> Generator[None, 
         own = _symbol_table(parsed, SHT_DYNSYM, f.size)
     if own is not None:
         yield from _scan(f, own[0], own[1], found)
-    return (yield from _finish(parsed.segments, found, build_id))
+    return (yield from _finish(parsed.segments, found, build_id, pack_from))
 
 
 def _scan_debug_file(build_id: bytes, debug_root: str, found: _Candidates) -> Generator[None, None, None]:
@@ -375,10 +390,10 @@ def _scan_debug_file(build_id: bytes, debug_root: str, found: _Candidates) -> Ge
         return  # no usable debug file: the file's own .dynsym still serves
 
 
-def load_elf(path: str, *, debug_root: str = DEBUG_ROOT) -> ElfSymbols:
+def load_elf(path: str, *, debug_root: str = DEBUG_ROOT, pack_from: int = PACK_FROM) -> ElfSymbols:
     """Read an ELF file's symbols at once (raises ElfError or FileRefused)."""
     with open_regular(path) as f:
-        steps = load_steps(f, debug_root=debug_root)
+        steps = load_steps(f, debug_root=debug_root, pack_from=pack_from)
         while True:
             try:
                 next(steps)
@@ -404,7 +419,8 @@ class _Loading:
 
 
 #: Bytes of symbol tables cached at most, all files together (the newest is
-#: always kept). Kept as offtop keeps them, libLLVM's are 3.7 MB, libc's 0.25:
+#: always kept). Kept as offtop keeps them, libLLVM's are 1.5 MB (3.7 with its
+#: string table held as read), libclang-cpp's 1.06, libc's 0.25:
 #: a host's working set fits many times over, and offtop's memory stays
 #: within a bound its users can plan for (it was 256 MB).
 MAX_CACHED_BYTES = 64 << 20

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import pytest
 
 from offtop.demangle import demangle
-from offtop.elf import BAD_ELF, TIME_BUDGET, ElfCache, load_elf, load_steps
+from offtop.elf import BAD_ELF, PACK_FROM, TIME_BUDGET, ElfCache, load_elf, load_steps
 from offtop.safe_files import NOT_REGULAR, UNREADABLE, WRONG_OWNER, FileRefused, open_regular
 from offtop.symbols import (
     NO_SYMBOL,
@@ -232,14 +232,16 @@ def test_huge_sparse_symbol_tables(tmp_path: Path, table_mb: int, cause: str,
     assert u.errors == {cause: 1}
 
 
-def test_hostile_symbol_names_are_decoded_and_capped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pack_from", [PACK_FROM, 0], ids=["held", "packed"])
+def test_hostile_symbol_names_are_decoded_and_capped(tmp_path: Path, pack_from: int) -> None:
     (tmp_path / "a.so").write_bytes(elf_bytes(sym_name=b"evil\x1b]0;PWNED\x07\xff\xfe"))
-    assert load_elf(str(tmp_path / "a.so")).lookup(BASE + TEXT_OFF) == "evil\x1b]0;PWNED\x07\ufffd\ufffd"
+    assert (load_elf(str(tmp_path / "a.so"), pack_from=pack_from).lookup(BASE + TEXT_OFF)
+            == "evil\x1b]0;PWNED\x07\ufffd\ufffd")
     # A name running to the end of the string table, without its NUL.
     data = bytearray(elf_bytes(sym_name=b"x" * 200))
     data[0x1900 + 1 + 200] = ord("y")
     (tmp_path / "b.so").write_bytes(data)
-    name = load_elf(str(tmp_path / "b.so")).lookup(BASE + TEXT_OFF)
+    name = load_elf(str(tmp_path / "b.so"), pack_from=pack_from).lookup(BASE + TEXT_OFF)
     assert name is not None and name.startswith("x" * 200) and len(name) <= 1024
 
 

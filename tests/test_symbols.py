@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ import pytest
 from offtop.demangle import demangle
 from offtop.elf import TIME_BUDGET, ElfCache, load_elf
 from offtop.model import MARK_PROCESS_GONE, MARK_TRUNCATED, Frame
+from offtop.packed_strings import PackedStrings
 from offtop.symbols import (
     NO_SYMBOL,
     REREAD_S,
@@ -337,6 +339,42 @@ def test_a_big_file_loads_in_bounded_steps_across_calls() -> None:
     (m,) = [m for m in read_maps(os.getpid()) if m.start <= getpid < m.end]
     vaddr = whole.vaddr_of(getpid - m.start + m.offset)
     assert vaddr is not None and result.lookup(vaddr) == whole.lookup(vaddr)
+
+
+def test_packed_strings_give_every_string_of_the_table() -> None:
+    rng = random.Random(5)
+    names = [bytes(rng.choice(b"_ZN4llvm3abcdefgh") for _ in range(rng.choice((1, 40, 300, 5000))))
+             for _ in range(400)]
+    table = b"\0" + b"\0".join(names) + b"\0" + b"tail without its NUL" * 30
+    packed = _packed(table)
+    assert len(packed) == len(table) and packed.nbytes < len(table)  # random names: little to gain
+    at = 1
+    for name in [*names, table[at + sum(len(n) + 1 for n in names):]]:
+        for limit in (2048, 64):  # names longer than the limit are cut to it
+            want = name[:limit]
+            assert packed.string_at(at, limit) == want, (at, limit)
+        at += len(name) + 1
+    assert packed.string_at(len(table), 2048) == b"" and packed.string_at(10**9, 2048) == b""
+
+
+def _packed(table: bytes) -> PackedStrings:
+    steps = PackedStrings.packing(table)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: PackedStrings = done.value
+            return result
+
+
+def test_a_packed_symbol_table_names_every_function_as_the_held_one() -> None:
+    path = "/lib/x86_64-linux-gnu/libc.so.6"
+    held, packed = load_elf(path, pack_from=1 << 30), load_elf(path, pack_from=0)
+    assert len(held) == len(packed) > 1000 and packed.nbytes < held.nbytes * 0.7
+    addresses = [seg.vaddr + off for seg in held.segments for off in range(0, seg.filesz, 97)]
+    names = [held.lookup(a) for a in addresses]
+    assert sum(n is not None for n in names) > 1000
+    assert [packed.lookup(a) for a in addresses] == names
 
 
 # --- demangling ----------------------------------------------------------------------
