@@ -58,7 +58,8 @@ class PackedStrings:
         return text[start:end] if end >= 0 else text[start:start + limit]
 
     def _block(self, k: int) -> bytes:
-        if self._last[0] != k:
-            self._last = (k, zlib.decompress(self._blocks[k]) if 0 <= k < len(self._blocks)
-                          else b"")
-        return self._last[1]
+        last = self._last  # one read: another thread may replace it meanwhile
+        if last[0] != k:
+            last = (k, zlib.decompress(self._blocks[k]) if 0 <= k < len(self._blocks) else b"")
+            self._last = last
+        return last[1]
