@@ -42,6 +42,7 @@ from itertools import accumulate
 
 from offtop.elf import TIME_BUDGET, ElfCache, ElfSymbols
 from offtop.model import MARK_PROCESS_GONE, MARK_TRUNCATED, Frame
+from offtop.packed_strings import PackedStrings
 from offtop.safe_files import UNREADABLE, FileRefused, open_regular, read_proc_file
 from offtop.safe_text import decode
 from offtop.targets import task_start_time
@@ -104,8 +105,9 @@ class KernelSymbols:
     by address as bytes. ~120,000 lines are read and sorted in ~65 ms
     (splitting each into fields and numbers took ~140 ms of offtop's
     start-up). They are then kept as numbers side by side (an array, bisected
-    in C) and the rest of the lines end to end (with where each ends): as
-    120,000 bytes objects they held ~10 MB, all of offtop's life.
+    in C) and the rest of the lines end to end (with where each ends),
+    compressed (`PackedStrings`): as 120,000 bytes objects they held ~10 MB,
+    all of offtop's life; end to end 2.8 MB, compressed 0.56.
     """
 
     #: Addresses whose frames are cached at most. Interrupts wake tasks from
@@ -138,7 +140,8 @@ class KernelSymbols:
             rests.append(b"".join([line[w + 3:] for line in part]))
             lengths.extend([len(line) - w - 3 for line in part])
         del mine
-        self._rests = b"".join(rests)
+        # Kept compressed (2.8 MB of names in 0.56): a frame names a function once.
+        self._rests = PackedStrings.packed(b"".join(rests))
         self._ends = array("Q", accumulate(lengths))
         self._cache: dict[int, Frame] = {}
         self._by_symbol: dict[int, Frame] = {}
@@ -156,7 +159,8 @@ class KernelSymbols:
             if i >= 0:
                 f = self._by_symbol.get(i)
                 if f is None:
-                    rest = self._rests[self._ends[i - 1] if i else 0:self._ends[i]]
+                    start = self._ends[i - 1] if i else 0
+                    rest = self._rests.read(start, self._ends[i] - start)
                     f = self._by_symbol[i] = Frame(name=decode(rest.split(b"\t", 1)[0]),
                                                    module="kernel", kernel=True)
             else:
