@@ -356,7 +356,7 @@ def test_kernel_symbols_keep_their_names_compressed() -> None:
         tracemalloc.stop()
     assert ksyms.available and lines > 10_000
     # Two 8-byte numbers a symbol, and the names in well under half their bytes
-    # (held as read: 4.8 MiB for 122,000 symbols; compressed: 2.5).
+    # (held as read: 4.8 MiB for 122,000 symbols; compressed: 2.0).
     assert held < 16 * lines + names / 2, (held, lines, names)
 
 
