@@ -498,7 +498,19 @@ def test_tui_in_a_real_terminal_with_hostile_names(bpf_available: None,
         assert first, tmux.screen()
         assert wait_until(lambda: (m := re.search(r" #(\d+) ", tmux.screen())) is not None
                           and int(m.group(1)) >= int(first.group(1)) + 3, timeout=10)
-        screen = tmux.screen()
+        # A screen that shows every name: a thread blocked for less than 5 ms at a
+        # snapshot is not blocked now (EngineConfig.blocked_min_ns), and the longest
+        # escaped name is whole only there (the task table cuts it). The helpers'
+        # two threads wake every 300 and 250 ms, in step every 1.5 s, so now and
+        # then a snapshot finds both just woken (once in ~13 suite runs).
+        shown = [""]
+
+        def every_name() -> bool:
+            shown[0] = tmux.screen()
+            return all(e in shown[0] for e in escaped)
+
+        assert wait_until(every_name, timeout=10), shown[0]
+        screen = shown[0]
         lines = screen.splitlines()
         # Nothing set the terminal's title...
         title = tmux.run("display-message", "-t", "t", "-p", "#{pane_title}").strip()
