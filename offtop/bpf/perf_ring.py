@@ -146,7 +146,6 @@ class PerfRing:
     ) -> None:
         if pages <= 0 or pages & (pages - 1):
             raise ValueError("pages must be a power of two")
-        self.pages = pages  #: of data, per CPU
         self._libc = syscalls.libc()
         self._rings: list[_Ring] = []
         self._epoll = select.epoll()

@@ -85,7 +85,6 @@ class ElfFile:
             self._file = open_regular(path)
         except FileRefused as e:
             raise OSError(e.os_errno or errno.EINVAL, f"{path}: {e}") from None
-        self._fd = self._file.fd
         try:
             self.size = self._file.size
             self._parse_headers()
@@ -99,21 +98,15 @@ class ElfFile:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def closed(self) -> bool:
-        """Whether `close` was called (reads fail from then on)."""
-        return self._fd < 0
-
     def close(self) -> None:
         """Close the file descriptor (idempotent)."""
         self._file.close()
-        self._fd = -1
 
     def read(self, offset: int, size: int) -> bytes:
         """Exactly `size` bytes at `offset`, or ElfFormatError when out of the file."""
         if offset < 0 or size < 0 or offset + size > self.size or size > MAX_SECTION_BYTES:
             raise ElfFormatError(f"read of {size} bytes at {offset:#x} is outside the file")
-        data = os.pread(self._fd, size, offset)
+        data = os.pread(self._file.fd, size, offset)
         if len(data) != size:  # the file shrank since fstat
             raise ElfFormatError("short read")
         return data

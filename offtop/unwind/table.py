@@ -264,14 +264,9 @@ def find_eh_frame(elf: ElfFile, *, read_below: int | None = None) -> EhFrame | N
             except ElfFormatError:
                 hdr = None
     sec = elf.sections.get(".eh_frame")
-    in_file: tuple[int, int] | None = None
     if sec is not None and sec.type != SHT_NOBITS:
-        vaddr = sec.addr
-        if (read_below is not None and sec.size >= read_below and not sec.flags & SHF_COMPRESSED
-                and 0 <= sec.offset <= elf.size - sec.size):
-            data, in_file = b"", (sec.offset, sec.size)
-        else:
-            data = elf.section_data(".eh_frame") or b""
+        vaddr, at, size = sec.addr, sec.offset, sec.size
+        plain = not sec.flags & SHF_COMPRESSED
     else:
         # No section headers: .eh_frame starts where the header points and
         # runs to its terminator, inside the segment that holds it.
@@ -282,11 +277,14 @@ def find_eh_frame(elf: ElfFile, *, read_below: int | None = None) -> EhFrame | N
         seg_end = elf.segment_end_at(vaddr_)
         if off is None or seg_end is None:
             return None
-        vaddr, size = vaddr_, seg_end - vaddr_
-        if read_below is not None and size >= read_below and off + size <= elf.size:
-            data, in_file = b"", (off, size)
-        else:
-            data = elf.read(off, size)
+        vaddr, at, size, plain = vaddr_, off, seg_end - vaddr_, True
+    in_file: tuple[int, int] | None = None
+    if not plain:
+        data = elf.section_data(".eh_frame") or b""
+    elif read_below is not None and size >= read_below and 0 <= at <= elf.size - size:
+        data, in_file = b"", (at, size)
+    else:
+        data = elf.read(at, size) if size else b""
     if not data and in_file is None:
         return None
     bases = Bases(vaddr, data=got.addr if got else None, read_u64=lambda v: read_u64_at(elf, v))
