@@ -37,12 +37,14 @@ from offtop.cli_args import (
     pusher_from_args,
 )
 from offtop.cli_io import OutputError, StdStreams, end_process, open_output
+from offtop.malloc_tuning import tune_malloc
 from offtop.outputs import Outputs, PushOutput, RecordOutput, TeeSource, recording_header
 from offtop.source import ReplaySource, SnapshotSource
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `offtop` console entry point."""
+    tune_malloc()  # before any thread of offtop's starts
     streams = StdStreams.claim()
 
     def fail(msg: str, code: int) -> int:
