@@ -18,9 +18,9 @@ Measured on the busy server (bench/README.md), the TUI after 4 minutes: 53
 MiB of malloc's heaps of which 17.6 MiB free, in 1,543 holes that
 `malloc_trim` could not give back (2.5 MiB returned), while the objects
 alive stayed at ~55 MiB from the 2nd minute to the 9th; the process grew
-~0.6 MiB a minute and passed 148 MiB after 10 minutes. With a fixed
+~0.6 MiB a minute and was at 148.2 MiB after 10 minutes. With a fixed
 threshold and two heaps: 1.7 MiB free, large blocks mapped and unmapped as
-they come and go.
+they come and go, and 138.1 MiB after 10 minutes. CPU and start-up the same.
 
 `mallopt` is glibc's public interface; where it is missing (another libc)
 nothing is changed.
