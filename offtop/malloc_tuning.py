@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import ctypes
 
+from offtop.bpf import syscalls
+
 #: mallopt's parameters (glibc's <malloc.h>).
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
@@ -45,7 +47,7 @@ def tune_malloc() -> bool:
     """Fix malloc's mapping threshold and cap its heaps (see the module
     docstring); True if glibc took both. Before offtop's threads start."""
     try:
-        mallopt = ctypes.CDLL(None, use_errno=True).mallopt
+        mallopt = syscalls.libc().mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
