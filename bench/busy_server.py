@@ -4,6 +4,8 @@
     .venv/bin/python bench/busy_server.py                 3 rounds, 30 s after a 10 s warm-up each
     .venv/bin/python bench/busy_server.py --quick         2 rounds, 15 s after 8 s
     .venv/bin/python bench/busy_server.py --rate 60000    the load at another pace (blocks/s)
+    .venv/bin/python bench/busy_server.py --quick --options=--no-wakers --options=--no-stacks
+                                                          what options save, side by side with defaults
     .venv/bin/python bench/busy_server.py --profile [--label before|after]
                                                           py-spy profiles of offtop batch and TUI
 
@@ -32,6 +34,7 @@ import datetime as dt
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -420,17 +423,22 @@ class TopBatch:
 #: A tool run from the --against ref's code, alternated with the working tree's in the same rounds.
 REF_SUFFIX = "@ref"
 
+#: --options: offtop batch or TUI with these options after it ("batch --no-wakers"), in the same
+#: rounds as the one with defaults.
+WITH_OPTIONS = ("batch ", "tui ")
+
 
 def start_tool(name: str, code: Code, cpus: str | None, against: Code | None = None) -> Tool:
     if name.endswith(REF_SUFFIX):
         if against is None:
             raise BenchError(f"{name}: no --against ref")
         name, code = name.removesuffix(REF_SUFFIX), against
+    name, _, options = name.partition(" ")
     if name == "batch":
-        return OfftopBatch(code, cpus)
+        return OfftopBatch(code, cpus, shlex.split(options))
     if name == "tui":
-        return InTmux("tui", lambda: TuiSession(["--interval", "1"], cwd=code.cwd, env=dict(code.env),
-                                                cpus=cpus))
+        return InTmux("tui", lambda: TuiSession(["--interval", "1", *shlex.split(options)], cwd=code.cwd,
+                                                env=dict(code.env), cpus=cpus))
     if name == "htop":
         return InTmux("htop", lambda: TmuxSession(["htop", "-d", "10"], "htop", cpus=cpus))
     if name == "top":
@@ -706,6 +714,9 @@ def tool_label(name: str) -> str:
     """How a tool is named in the figures (a tool@ref: with the ref's offtop)."""
     if name.endswith(REF_SUFFIX):
         return f"{LABELS[name.removesuffix(REF_SUFFIX)]} {REF_SUFFIX}"
+    if name.startswith(WITH_OPTIONS):
+        name, _, options = name.partition(" ")
+        return f"{LABELS[name]} {options}"
     return LABELS[name]
 
 
@@ -785,14 +796,15 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
             entry["header"] = ws[-1].get("header", "")
         res["tools"][n] = entry
     ratios = []
+    with_options = [(n, n.partition(" ")[0]) for n in tools if n.startswith(WITH_OPTIONS)]
     for a, b in (("batch", "top"), ("batch", "htop"), ("tui", "top"), ("tui", "htop"),
-                 ("batch", f"batch{REF_SUFFIX}"), ("tui", f"tui{REF_SUFFIX}")):
+                 ("batch", f"batch{REF_SUFFIX}"), ("tui", f"tui{REF_SUFFIX}"), *with_options):
         if a in ok and b in ok:
             theirs = {w["round"]: w["cpu_pct"] for w in ok[b]}
             rs = _d([ratio(w["cpu_pct"], theirs[w["round"]]) for w in ok[a] if w["round"] in theirs])
             if rs.values:
                 res["ratios"][f"{a}_vs_{b}"] = rs.json()
-                theirs_name = f"offtop {b}" if b.endswith(REF_SUFFIX) else b
+                theirs_name = f"offtop {b}" if b.endswith(REF_SUFFIX) or b in ("batch", "tui") else b
                 ratios.append(f"offtop {a} / {theirs_name} = {rs.fmt(digits=2)}{TIMES}")
     if ratios:
         out.append("   CPU, same round: " + "; ".join(ratios[:2]))
@@ -1076,6 +1088,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--soak", type=float,
                    help="after the rounds, the TUI alone this many s, its RSS sampled (default 300, "
                         "quick 180; 0: not)")
+    p.add_argument("--options", action="append", default=[], metavar="OPTS",
+                   help="also run offtop batch and TUI (those in --tools) with these options (e.g. "
+                        "--options=--no-wakers; repeatable), in the same rounds as with defaults (CPU "
+                        "ratios per round; figures not written into the README)")
     p.add_argument("--json", type=Path, help="also write the figures to this file")
     p.add_argument("--no-readme", action="store_true", help="do not write bench/results.json and README")
     args = p.parse_args(argv)
@@ -1094,11 +1110,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.profile:
             p.error("--against measures CPU side by side; profile each version apart (--ref)")
         tools = [x for t in tools for x in ([t, f"{t}{REF_SUFFIX}"] if t in ("batch", "tui") else [t])]
+    if args.options:
+        bases = [t for t in ("batch", "tui") if t in tools]
+        if args.profile or args.against or not bases:
+            p.error("--options measures offtop with and without options side by side: keep batch or "
+                    "tui in --tools; no --profile or --against")
+        tools += [f"{t} {o.strip()}" for o in args.options for t in bases]
     try:
         plan = Plan(spec, tuple(tools), runs, warmup, seconds, args.settle, Code.of(args.ref), args.load_cpus,
                     args.tool_cpus, args.wait_foreign, args.start_timeout,
                     Code.of(args.against) if args.against else None,
-                    soak=0.0 if args.against or args.profile else
+                    soak=0.0 if args.against or args.options or args.profile else
                     (args.soak if args.soak is not None else (180.0 if args.quick else 300.0)))
         if args.profile:
             res, text = run_profile(plan, args.rate_hz, args.top, args.native, args.startup)
@@ -1115,7 +1137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text, end="")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1) + "\n")
-    if not args.no_readme and not args.against:
+    if not args.no_readme and not args.against and not args.options:
         save(key, entry, label)
     return 0
 
