@@ -268,6 +268,88 @@ def test_processes_gone_give_their_rules_back_so_new_ones_are_still_unwound(
         remove_cgroup(cg)
 
 
+def test_a_second_gzip_is_unwound_whole_from_the_start_with_the_first_ones_sites() -> None:
+    """Debian's gzip (no frame pointers) reading a pipe. The probe's walk reveals one
+    frame more per rule taught, so the first gzip's read() stack comes in several
+    truncated versions (a frame deeper each) before it is whole. The sites it needed
+    are kept for its program: a second gzip, started after the first is gone, is
+    taught them when first seen, and its stack is whole (the same frames) from then:
+    one truncated version at most (its first sighting: the blocks walked before it was
+    seen; two if a walk ran while the rules were being written), not one per frame."""
+    from offtop.bpf.engine import BpfSource, EngineConfig
+    from offtop.cgroups import cgroup2_mounts
+    from offtop.model import Aggregator
+
+    gzip = shutil.which("gzip")
+    assert gzip, "no gzip"
+    mounts = cgroup2_mounts()
+    assert mounts, "no cgroup v2 mount on this machine"
+    cg = mounts[0] / f"offtop-test-gzip-{os.getpid()}"
+    cg.mkdir()
+    src = BpfSource(EngineConfig(cgroup=str(cg)), aggregator=Aggregator(max_stacks=500_000))
+
+    def join() -> None:
+        (cg / "cgroup.procs").write_text(str(os.getpid()))
+
+    def read_stacks(snaps: list[Snapshot], pid: int) -> list[tuple[tuple[str, ...], int]]:
+        return [(tuple(f.name for f in st.user), st.count) for snap in snaps
+                for st in snap.stacks if st.pid == pid and st.user and st.user[0].name == "read"]
+
+    def one_gzip(snapshots: int, until_whole: bool) -> tuple[int, list[tuple[tuple[str, ...], int]]]:
+        proc = subprocess.Popen([gzip, "-1"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                preexec_fn=join)
+        stop_feed = threading.Event()
+
+        def feed() -> None:  # a slow producer: gzip waits in read() between chunks
+            assert proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError, ValueError):
+                while not stop_feed.wait(0.02):
+                    proc.stdin.write(os.urandom(20_000))
+                    proc.stdin.flush()
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        snaps: list[Snapshot] = []
+        try:
+            for _ in range(snapshots):
+                snap = src.next_snapshot(0.5, stop)
+                assert snap is not None
+                snaps.append(snap)
+                whole = [u for u, _ in read_stacks(snaps[-1:], proc.pid) if MARK_TRUNCATED not in u]
+                if until_whole and whole and len(snaps) >= 2:
+                    break
+        finally:
+            stop_feed.set()
+            feeder.join()
+            proc.kill()
+            proc.wait(timeout=5)
+        return proc.pid, read_stacks(snaps, proc.pid)
+
+    try:
+        src.start()
+        stop = threading.Event()
+        first_pid, first = one_gzip(40, until_whole=True)
+        for _ in range(2):
+            src.next_snapshot(0.5, stop)
+        second_pid, second = one_gzip(6, until_whole=False)
+    finally:
+        src.close()
+        remove_cgroup(cg)
+
+    def versions(stacks: list[tuple[tuple[str, ...], int]]) -> set[tuple[str, ...]]:
+        return {u for u, _ in stacks if u[-1] == MARK_TRUNCATED}
+
+    whole_first = {u for u, _ in first if MARK_TRUNCATED not in u}
+    assert whole_first, first
+    # Learned a frame per sighting: the control that shows this test can fail.
+    assert len(versions(first)) >= 4, first
+    # The second gzip: whole once first seen, as the first one ended.
+    assert second and first_pid != second_pid
+    assert len(versions(second)) <= 2, second
+    whole = sum(n for u, n in second if u in whole_first)
+    assert whole >= 0.5 * sum(n for _, n in second), (second, whole_first)
+
+
 def test_frame_pointer_code_blocked_before_offtop_is_unwound_whole(tmp_path: Path) -> None:
     # With frame pointers each function's frame is rbp-based, and libc's read
     # wrapper does not save rbp: /proc has no rbp for a thread that blocked

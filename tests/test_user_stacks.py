@@ -112,8 +112,10 @@ def test_a_walk_that_ended_in_a_frame_without_frame_pointer_that_has_a_caller_is
     """The probe stepped the last frame along the rbp chain (it had no rule there yet)
     and stopped: if the function there keeps no frame pointer and has a caller, the
     stack goes on past it and is cut (marked truncated); at an outermost frame, or a
-    frame-pointer one (the chain's end), it is whole. A last frame the probe had a
-    rule for says nothing of how the walk ended: not cut."""
+    frame-pointer one (the chain's end), it is whole. A walk that ended at such a
+    frame although the probe had its rule (the return address could not be read), or
+    was walked before the rule was taught and read after, is cut all the same; one
+    that ended at the probe's depth limit is not (its end says nothing)."""
     probe = FakeProbe()
     unwinder = RulesByPc({0x1000: FP, 0x1fff: FP, 0x2fff: NO_FP, 0x3fff: OUTERMOST})
     repair = UserStackRepair(unwinder, probe.teach, maps=lambda pid, pc, start: [])  # type: ignore[arg-type]
@@ -123,10 +125,76 @@ def test_a_walk_that_ended_in_a_frame_without_frame_pointer_that_has_a_caller_is
     assert repair.repair(100, (0x1000, 0x2000, 0x3000, 0x4000), start=7) \
         == ((0x1000, 0x2000, 0x3000, 0x4000), False)
     assert repair.repair(100, (0x1000, 0x2000, 0x3000), start=7) \
-        == ((0x1000, 0x2000, 0x3000), False)  # 0x3000 was taught: the walk had its rule
+        == ((0x1000, 0x2000, 0x3000), True)  # 0x3000 was taught: still cut
+    assert repair.repair(100, (0x1000, 0x2000, 0x3000), start=7, at_limit=True) \
+        == ((0x1000, 0x2000, 0x3000), False)
     # Another process, stopped at its outermost frame or at a frame-pointer frame: whole.
     assert repair.repair(200, (0x1000, 0x2000, 0x3000, 0x4000), start=9)[1] is False
     assert repair.repair(300, (0x1000, 0x2000), start=9)[1] is False
     # Nothing is taught for a process gone (start 0): nothing is said of its end.
     assert repair.repair(400, (0x1000, 0x2000, 0x3000), start=0)[1] is False
-    assert repair.stats.cut == 1
+    assert repair.stats.cut == 2
+
+
+class RecordingUnwinder:
+    """Every pc gets the frame-pointer rule; each question asked is recorded."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[int, int, bool]] = []
+
+    def rule_for(self, pid: int, addr: int, *, exact: bool, maps: Any = None) -> None:
+        self.asked.append((pid, addr, exact))
+
+
+def _program(exe: str, base: int, libc: int) -> list[ExecMapping]:
+    """A process of `exe` (mapped at `base`) with libc (at `libc`), as maps shows it."""
+    return [ExecMapping(base, base + 0x2000, 0, exe, ""),
+            ExecMapping(libc, libc + 0x4000, 0x1000, "/lib/libc.so.6", "")]
+
+
+def test_a_new_process_of_a_program_is_taught_the_sites_its_earlier_processes_needed() -> None:
+    """A stack without frame pointers is learned a frame per sighting; the sites one
+    process of a program needed (file and offset: addresses move with ASLR) are taught
+    to the next process of that program when it is first seen, at its own addresses,
+    each rule asked of its own files. Another program gets none of them."""
+    probe = FakeProbe()
+    unwinder = RecordingUnwinder()
+    maps = {100: _program("/usr/bin/gzip", 0x1000, 0x7000),
+            200: _program("/usr/bin/gzip", 0x51000, 0x77000),
+            300: _program("/usr/bin/cat", 0x1000, 0x7000)}
+    repair = UserStackRepair(unwinder, probe.teach,  # type: ignore[arg-type]
+                             maps=lambda pid, pc, start: maps[pid])
+    # libc's read (first frame, at file offset 0x1100), gzip at 0x200 and 0x1300:
+    # each sighting one frame deeper, as the probe's walk goes.
+    repair.repair(100, (0x7100, 0x1200), start=7)
+    assert set(probe.rules) == {(100, 0x7100), (100, 0x1200)}
+    repair.repair(100, (0x7100, 0x1200, 0x2300), start=7)
+    assert set(probe.rules) == {(100, 0x7100), (100, 0x1200), (100, 0x2300)}
+    assert repair.stats.rules_ahead == 0
+
+    unwinder.asked.clear()
+    repair.repair(200, (0x77100,), start=9)  # gzip again, elsewhere in memory
+    assert {pc for pid, pc in probe.rules if pid == 200} == {0x77100, 0x51200, 0x52300}
+    assert repair.stats.rules_ahead == 2  # 0x77100 was its own, learned from its stack
+    assert sorted(unwinder.asked) == [(200, 0x51200, False), (200, 0x52300, False),
+                                      (200, 0x77100, True)]
+
+    repair.repair(300, (0x7100,), start=11)  # another program: nothing ahead
+    assert {pc for pid, pc in probe.rules if pid == 300} == {0x7100}
+    assert repair.stats.rules_ahead == 2
+
+
+def test_rules_taught_ahead_leave_half_the_budget_to_rules_that_are_needed() -> None:
+    probe = FakeProbe()
+    maps = {100: _program("/usr/bin/gzip", 0x1000, 0x7000),
+            200: _program("/usr/bin/gzip", 0x51000, 0x77000)}
+    repair = UserStackRepair(FakeUnwinder(), probe.teach,  # type: ignore[arg-type]
+                             maps=lambda pid, pc, start: maps[pid], max_rules=8)
+    repair.repair(100, (0x7100, 0x1200, 0x1300, 0x1400), start=7)  # 4 of 8 taken
+    repair.repair(200, (0x77100,), start=9)
+    assert repair.stats.rules_ahead == 0  # half the budget is taken: none ahead
+    assert (200, 0x77100) in probe.rules  # what it needs is still taught
+    repair.sweep({200: 9}.get)  # 100 is gone: its 4 rules go back
+    repair.repair(200, (0x77100,), start=10)  # pid 200 is another process now
+    assert repair.stats.rules_ahead == 3  # 0x51200, 0x51300, 0x51400 (0x77100: its own)
+    assert {pc for pid, pc in probe.rules if pid == 200} == {0x77100, 0x51200, 0x51300, 0x51400}

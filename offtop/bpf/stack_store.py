@@ -234,7 +234,7 @@ class StackStore:
         at_limit = len(addrs) >= self._udepth
         cut = False
         if self._repair is not None:
-            addrs, cut = self._repair.repair(pid, addrs, start)
+            addrs, cut = self._repair.repair(pid, addrs, start, at_limit=at_limit)
         if deadline is not None and time.monotonic() > deadline:
             self.stats.symbol_deadline_misses += 1
         frames = self.user_symbols.resolve_stack(pid, addrs, deadline=deadline, start=start)

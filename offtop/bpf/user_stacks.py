@@ -17,10 +17,20 @@ it stepped along the rbp chain, in a function that keeps no frame pointer
 but has a caller (libc's start_thread, before its rule is taught), stopped
 short of the stack's end: marked truncated too, not shown as whole. Frames
 outside every mapping are cut by the symbolizer.
+
+A walk reveals one trusted frame past those it has rules for, so a process
+learns a stack of N frames without frame pointers in about N sightings
+(Debian's gzip in read(): 9, over 2 s). Processes of one program block in the
+same places, so the sites taught (file and offset of each pc) are kept per
+program (the file mapped lowest: the executable) and taught to the next
+process of that program the first time it is seen: its stacks are whole from
+their second sighting. Each rule is still worked out from the new process's
+own files; a site taught in vain costs a map entry, never a wrong frame.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -54,12 +64,77 @@ def pack_rule(rule: Rule | None) -> int:
     return packed
 
 
+#: Sites kept per program, and programs kept (the oldest go first at either bound).
+MAX_SITES_PER_PROGRAM = 1024
+MAX_PROGRAMS = 256
+
+#: A site: the file a pc lies in, its offset there, and whether it was a first frame.
+_Site = tuple[str, int, bool]
+
+
 @dataclass(slots=True)
 class RepairStats:
     """Counts, cumulative."""
 
     rules_taught: int = 0
     cut: int = 0
+    #: Rules taught to a process ahead, from the sites of its program's earlier processes.
+    rules_ahead: int = 0
+
+
+class ProgramSites:
+    """Where the processes of each program needed rules (see the module docstring):
+    by program, the sites in the order first taught, bounded."""
+
+    def __init__(self) -> None:
+        self._by_program: dict[str, dict[_Site, None]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self._by_program.values())
+
+    def add(self, program: str, maps: Sequence[FileMapping], addr: int, first: bool) -> None:
+        """Note that a process of `program` needed the rule at `addr` (in `maps`)."""
+        m = mapping_at(maps, addr)
+        if m is None:
+            return
+        sites = self._by_program.get(program)
+        if sites is None:
+            if len(self._by_program) >= MAX_PROGRAMS:
+                del self._by_program[next(iter(self._by_program))]
+            sites = self._by_program[program] = {}
+        site = (m.path, addr - m.start + m.offset, first)
+        if site not in sites:
+            if len(sites) >= MAX_SITES_PER_PROGRAM:
+                del sites[next(iter(sites))]
+            sites[site] = None
+
+    def addresses(self, program: str, maps: Sequence[FileMapping]) -> list[tuple[int, bool]]:
+        """(address, first frame?) of each site of `program` in a process mapped as `maps`."""
+        sites = self._by_program.get(program)
+        if not sites:
+            return []
+        by_path: dict[str, list[FileMapping]] = {}
+        for m in maps:
+            by_path.setdefault(m.path, []).append(m)
+        out = []
+        for path, off, first in sites:
+            for m in by_path.get(path, ()):
+                if m.offset <= off < m.offset + (m.end - m.start):
+                    out.append((m.start + off - m.offset, first))
+                    break
+        return out
+
+
+def mapping_at(maps: Sequence[FileMapping], addr: int) -> FileMapping | None:
+    """The mapping of `maps` (sorted by address) that holds `addr`, or None."""
+    i = bisect_right(maps, addr, key=lambda m: m.start) - 1
+    return maps[i] if i >= 0 and addr < maps[i].end else None
+
+
+def program_of(maps: Sequence[FileMapping]) -> str | None:
+    """Which program a process runs, as its mappings say: the file mapped lowest (the
+    executable, PIE or not; shared libraries lie above it)."""
+    return maps[0].path if maps else None
 
 
 class UserStackRepair:
@@ -92,12 +167,14 @@ class UserStackRepair:
         self._forget = forget
         self._max_rules = max_rules
         self._maps = maps
-        self._taught: dict[int, set[int]] = {}
+        self._taught: dict[int, dict[int, int]] = {}  # pid -> pc -> the rule taught, packed
         self._starts: dict[int, int] = {}  # pid -> start time of the process taught
         self._count = 0
         # pid -> (address, first frame?) -> does the frame keep rbp as its base?
         self._keeps_fp: dict[int, dict[tuple[int, bool], bool]] = {}
         self._keeps_count = 0
+        self._programs: dict[int, str | None] = {}  # pid -> its program (`program_of`)
+        self.sites = ProgramSites()
         self.stats = RepairStats()
 
     @property
@@ -118,6 +195,7 @@ class UserStackRepair:
             self._count -= len(taught)
             rules += [(pid, pc) for pc in taught]
             self._starts.pop(pid, None)
+            self._programs.pop(pid, None)
             self._keeps_count -= len(self._keeps_fp.pop(pid, ()))
         if rules:
             self._forget(rules)
@@ -131,28 +209,39 @@ class UserStackRepair:
         maps = self._maps(pid, addr, self._starts.get(pid, 0))
         return self._unwinder.rule_for(pid, addr, exact=first, maps=maps)
 
-    def repair(self, pid: int, addrs: tuple[int, ...], start: int = 0
-               ) -> tuple[tuple[int, ...], bool]:
+    def repair(self, pid: int, addrs: tuple[int, ...], start: int = 0, *,
+               at_limit: bool = False) -> tuple[tuple[int, ...], bool]:
         """(the trusted addresses, tags removed; True when frames were cut).
 
         `start`: the process's start time (0: unknown, the process is gone:
         nothing is taught). A pid taught before under another start time is
-        another process now: the old one's rules go first.
+        another process now: the old one's rules go first. `at_limit`: the walk
+        stopped at the probe's depth limit (its end says nothing of the stack's).
         """
         if not addrs:
             return addrs, False
         known = self._starts.get(pid)
-        if start and known != start:
+        first_sight = bool(start) and known != start
+        if first_sight:
             if known is not None:
                 self.forget_processes({pid})
             self._starts[pid] = start
         # None: the process is gone, there is nobody to teach.
-        taught = self._taught.setdefault(pid, set()) if start else None
+        taught = self._taught.setdefault(pid, {}) if start else None
+        if first_sight and taught is not None:
+            self._programs[pid] = program_of(self._maps(pid, addrs[0], start))
+        out, cut = self._check(pid, addrs, taught, at_limit)
+        if first_sight and taught is not None:
+            # After the check: the walk had none of these rules.
+            self._teach_ahead(pid, taught, addrs[0])
+        return out, cut
+
+    def _check(self, pid: int, addrs: tuple[int, ...], taught: dict[int, int] | None,
+               at_limit: bool) -> tuple[tuple[int, ...], bool]:
+        """`repair`'s answer; rules for the pcs not taught yet are taught."""
         out = [addrs[0]]
-        # The rule learned just now for the last frame: the probe had none for it.
-        last_rule = None
         if taught is not None and addrs[0] not in taught:
-            last_rule = self._learn(pid, taught, addrs[0], True)
+            self._learn(pid, taught, addrs[0], True)
         for addr in addrs[1:]:
             if addr & FP_FRAME_TAG:
                 addr &= ~FP_FRAME_TAG
@@ -160,15 +249,17 @@ class UserStackRepair:
                     self.stats.cut += 1
                     return tuple(out), True
             out.append(addr)
-            last_rule = None
             if taught is not None and addr not in taught:
-                last_rule = self._learn(pid, taught, addr, False)
-        if last_rule is not None and last_rule & 0xFF == RULE_RSP:
-            # The walk ended at a frame it stepped along the rbp chain, in a
-            # function whose frame is not rbp-based yet has a caller (libc's
-            # start_thread in a new process, before its rules are taught): the
-            # stack goes on past where the walk could follow. Cut, so that it
-            # is marked, not shown as if whole.
+                self._learn(pid, taught, addr, False)
+        last_rule = taught.get(out[-1]) if taught is not None else None
+        if not at_limit and last_rule is not None and last_rule & 0xFF == RULE_RSP:
+            # The walk ended at a function whose frame is not rbp-based yet has
+            # a caller: the stack goes on past where the walk could follow.
+            # Either the probe had no rule there when it walked (libc's
+            # start_thread in a new process, before its rules are taught; a
+            # stack walked before a rule taught since is read after it), or it
+            # had one and could not read the return address. Cut, so that it is
+            # marked, not shown as if whole.
             self.stats.cut += 1
             return tuple(out), True
         return tuple(out), False
@@ -187,13 +278,33 @@ class UserStackRepair:
             self._keeps_count += 1
         return keeps
 
-    def _learn(self, pid: int, taught: set[int], addr: int, first: bool) -> int | None:
-        """Teach the probe the rule at `addr`; the rule as packed, or None over the budget."""
+    def _teach_ahead(self, pid: int, taught: dict[int, int], pc: int) -> None:
+        """A process seen for the first time: the rules its program's earlier processes
+        needed, taught now (each worked out from this process's own files), while
+        less than half the budget is taken: the rest stays for rules that are needed."""
+        program = self._programs.get(pid)
+        if program is None:
+            return
+        maps = self._maps(pid, pc, self._starts.get(pid, 0))
+        for addr, first in self.sites.addresses(program, maps):
+            if self._count >= self._max_rules // 2:
+                return
+            if addr not in taught:
+                self._learn(pid, taught, addr, first, note=False)
+                self.stats.rules_ahead += 1
+
+    def _learn(self, pid: int, taught: dict[int, int], addr: int, first: bool, *,
+               note: bool = True) -> int | None:
+        """Teach the probe the rule at `addr`; the rule as packed, or None over the budget.
+        `note`: keep the site for the next processes of this one's program."""
         if self._count >= self._max_rules:
             return None
-        taught.add(addr)
-        self._count += 1
         rule = pack_rule(self._rule(pid, addr, first))
+        taught[addr] = rule
+        self._count += 1
         self._teach(pid, addr, rule)
         self.stats.rules_taught += 1
+        program = self._programs.get(pid)
+        if note and program is not None:
+            self.sites.add(program, self._maps(pid, addr, self._starts.get(pid, 0)), addr, first)
         return rule

@@ -108,7 +108,8 @@ class SavedRegs(Protocol):
 
 class FileMapping(Protocol):
     """An executable file mapping: [start, end) maps the file from `offset`, opened
-    by `handle` (unwind.maps.ExecMapping, or the symbolizer's Mapping)."""
+    by `handle` (unwind.maps.ExecMapping, or the symbolizer's Mapping); `path` as
+    the process's maps name it."""
 
     @property
     def start(self) -> int: ...
@@ -116,6 +117,8 @@ class FileMapping(Protocol):
     def end(self) -> int: ...
     @property
     def offset(self) -> int: ...
+    @property
+    def path(self) -> str: ...
     @property
     def handle(self) -> str: ...
 
