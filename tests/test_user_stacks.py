@@ -198,3 +198,23 @@ def test_rules_taught_ahead_leave_half_the_budget_to_rules_that_are_needed() -> 
     repair.repair(200, (0x77100,), start=10)  # pid 200 is another process now
     assert repair.stats.rules_ahead == 3  # 0x51200, 0x51300, 0x51400 (0x77100: its own)
     assert {pc for pid, pc in probe.rules if pid == 200} == {0x77100, 0x51200, 0x51300, 0x51400}
+
+
+def test_sites_kept_are_bounded_per_program_and_in_programs() -> None:
+    """The oldest site of a program goes first past its bound, the oldest program past
+    theirs: what a process names its executable cannot grow offtop's memory."""
+    from offtop.bpf.user_stacks import MAX_PROGRAMS, MAX_SITES_PER_PROGRAM, ProgramSites
+
+    sites = ProgramSites()
+    maps = _program("/usr/bin/gzip", 0x100000, 0x7000000)
+    big = [ExecMapping(0x100000, 0x100000 + 0x10000, 0, "/usr/bin/gzip", "")]
+    for i in range(MAX_SITES_PER_PROGRAM + 1):
+        sites.add("/usr/bin/gzip", big, 0x100000 + i, False)
+    assert len(sites) == MAX_SITES_PER_PROGRAM
+    kept = {addr for addr, _ in sites.addresses("/usr/bin/gzip", big)}
+    assert 0x100000 not in kept and 0x100000 + MAX_SITES_PER_PROGRAM in kept
+    for p in range(MAX_PROGRAMS):
+        sites.add(f"/tmp/prog{p}", maps, 0x100100, True)
+    assert sites.addresses("/usr/bin/gzip", big) == []  # the oldest program went
+    assert sites.addresses(f"/tmp/prog{MAX_PROGRAMS - 1}", maps) == [(0x100100, True)]
+    assert len(sites) == MAX_PROGRAMS

@@ -64,9 +64,10 @@ def pack_rule(rule: Rule | None) -> int:
     return packed
 
 
-#: Sites kept per program, and programs kept (the oldest go first at either bound).
-MAX_SITES_PER_PROGRAM = 1024
-MAX_PROGRAMS = 256
+#: Sites kept per program, and programs kept (the oldest go first at either bound):
+#: 32,768 sites at most, ~5 MB.
+MAX_SITES_PER_PROGRAM = 512
+MAX_PROGRAMS = 64
 
 #: A site: the file a pc lies in, its offset there, and whether it was a first frame.
 _Site = tuple[str, int, bool]
