@@ -206,8 +206,10 @@ class UserStackRepair:
         self.forget_processes({pid for pid in self._taught
                                if start_time(pid) != self._starts.get(pid)})
 
-    def _rule(self, pid: int, addr: int, first: bool) -> Rule | None:
-        maps = self._maps(pid, addr, self._starts.get(pid, 0))
+    def _rule(self, pid: int, addr: int, first: bool,
+              maps: Sequence[FileMapping] | None = None) -> Rule | None:
+        if maps is None:
+            maps = self._maps(pid, addr, self._starts.get(pid, 0))
         return self._unwinder.rule_for(pid, addr, exact=first, maps=maps)
 
     def repair(self, pid: int, addrs: tuple[int, ...], start: int = 0, *,
@@ -229,12 +231,13 @@ class UserStackRepair:
             self._starts[pid] = start
         # None: the process is gone, there is nobody to teach.
         taught = self._taught.setdefault(pid, {}) if start else None
-        if first_sight and taught is not None:
-            self._programs[pid] = program_of(self._maps(pid, addrs[0], start))
+        if not (first_sight and taught is not None):
+            return self._check(pid, addrs, taught, at_limit)
+        maps = self._maps(pid, addrs[0], start)
+        self._programs[pid] = program_of(maps)
         out, cut = self._check(pid, addrs, taught, at_limit)
-        if first_sight and taught is not None:
-            # After the check: the walk had none of these rules.
-            self._teach_ahead(pid, taught, addrs[0])
+        # After the check: the walk had none of these rules.
+        self._teach_ahead(pid, taught, maps)
         return out, cut
 
     def _check(self, pid: int, addrs: tuple[int, ...], taught: dict[int, int] | None,
@@ -279,14 +282,15 @@ class UserStackRepair:
             self._keeps_count += 1
         return keeps
 
-    def _teach_ahead(self, pid: int, taught: dict[int, int], pc: int) -> None:
-        """A process seen for the first time: the rules its program's earlier processes
-        needed, taught now (each worked out from this process's own files), while
-        less than half the budget is taken: the rest stays for rules that are needed."""
+    def _teach_ahead(self, pid: int, taught: dict[int, int],
+                     maps: Sequence[FileMapping]) -> None:
+        """A process seen for the first time (mapped as `maps`): the rules its program's
+        earlier processes needed, taught now (each worked out from this process's own
+        files), while less than half the budget is taken: the rest stays for rules
+        that are needed."""
         program = self._programs.get(pid)
         if program is None:
             return
-        maps = self._maps(pid, pc, self._starts.get(pid, 0))
         for addr, first in self.sites.addresses(program, maps):
             if self._count >= self._max_rules // 2:
                 return
@@ -300,12 +304,13 @@ class UserStackRepair:
         `note`: keep the site for the next processes of this one's program."""
         if self._count >= self._max_rules:
             return None
-        rule = pack_rule(self._rule(pid, addr, first))
+        maps = self._maps(pid, addr, self._starts.get(pid, 0))
+        rule = pack_rule(self._rule(pid, addr, first, maps))
         taught[addr] = rule
         self._count += 1
         self._teach(pid, addr, rule)
         self.stats.rules_taught += 1
         program = self._programs.get(pid)
         if note and program is not None:
-            self.sites.add(program, self._maps(pid, addr, self._starts.get(pid, 0)), addr, first)
+            self.sites.add(program, maps, addr, first)
         return rule
