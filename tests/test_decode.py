@@ -145,14 +145,14 @@ def test_states_and_flags() -> None:
         decode.state_mask("SQ")
 
 
-def test_new_user_stack_records_give_the_id_and_the_whole_frames_only() -> None:
-    # As the kernel hands them over: the id in a u64, the frames, and the 4 bytes
-    # that pad a raw sample (its u32 size in front) to 8.
+def test_new_user_stack_records_give_the_id_its_process_and_the_whole_frames_only() -> None:
+    # As the kernel hands them over: the id and the tgid in a u64, the frames, and
+    # the 4 bytes that pad a raw sample (its u32 size in front) to 8.
     frames = struct.pack("<3Q", 0x401000, 0x401100 | (1 << 63), 0x7F0000001234)
-    records = [struct.pack("<Q", 0x7ABCDEF1) + frames + b"\0" * 4,
+    records = [struct.pack("<II", 0x7ABCDEF1, 4_194_303) + frames + b"\0" * 4,
                struct.pack("<Q", 5) + b"\0" * 4]  # no frames: skipped
-    [(sid, packed)] = decode.new_user_stacks(records)
-    assert sid == 0x7ABCDEF1 and packed == frames
+    [(sid, tgid, packed)] = decode.new_user_stacks(records)
+    assert sid == 0x7ABCDEF1 and tgid == 4_194_303 and packed == frames
     assert decode.record_addresses(packed) == (0x401000, 0x401100 | (1 << 63), 0x7F0000001234)
     # A map's value: read up to its first 0.
     assert decode.stack_addresses(frames + bytes(16)) == decode.record_addresses(packed)

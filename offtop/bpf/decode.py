@@ -129,16 +129,19 @@ def record_addresses(raw: bytes) -> tuple[int, ...]:
     return struct.unpack(f"<{len(raw) // 8}Q", raw)
 
 
-def new_user_stacks(records: list[bytes]) -> list[tuple[int, bytes]]:
-    """(id, packed frames) of each record the probe sent through `new_user_stacks`
-    (offcpu.c): the id in a u64, then the frames, a u64 each; the kernel pads a
-    record to 8 bytes with its 4-byte size, so the frames are the whole u64s
-    after the id. The frames stay packed until read (`record_addresses`)."""
+def new_user_stacks(records: list[bytes]) -> list[tuple[int, int, bytes]]:
+    """(id, tgid, packed frames) of each record the probe sent through
+    `new_user_stacks` (offcpu.c): the id in a u64's lower half and the tgid of
+    the process whose stack it is (the first to have it) in its upper half,
+    then the frames, a u64 each; the kernel pads a record to 8 bytes with its
+    4-byte size, so the frames are the whole u64s after the id. The frames
+    stay packed until read (`record_addresses`)."""
     out = []
     for rec in records:
         n = (len(rec) - 8) // 8
         if n > 0:
-            out.append((int.from_bytes(rec[:4], "little"), rec[8: 8 + 8 * n]))
+            out.append((int.from_bytes(rec[:4], "little"), int.from_bytes(rec[4:8], "little"),
+                        rec[8: 8 + 8 * n]))
     return out
 
 

@@ -41,7 +41,7 @@ from offtop.bpf.decode import (
 )
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.perf_ring import PerfRing, make_room_for_files, online_cpus, ring_pages
-from offtop.bpf.probe import Probe, RawRow, RawSums, agg_key
+from offtop.bpf.probe import Drained, Probe, RawRow, RawSums, agg_key
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import PythonFrames
 from offtop.bpf.row_frames import Resolved, RowFrames
@@ -80,6 +80,16 @@ BEHIND_ID = UNRESOLVED_ID - 1
 #: Rows summed between two looks at whether a stop's time to resolve is over
 #: (a flood of new stacks makes a row cost tens of microseconds).
 _STOP_CHECK_ROWS = 512
+
+#: New user stacks waiting to be resolved between two reads of the sums, at most
+#: (`BpfSource._resolve_new_stacks`; past it, they are resolved with their rows).
+_NEW_STACKS_MAX = 65_536
+
+#: New user stacks since the sums were last read, or new keys in the last read,
+#: past which the sums are read at the next sub-tick (`BpfSource._subtick`): a
+#: flood of new keys is resolved a sub-tick's share at a time, as they come, not
+#: a second's at once (which left 2-4 times as many rows behind).
+_FLOOD_NEW = 4_096
 
 #: Long-block events read from the ring at once (`_read_ring`): ~7 ms of CPU.
 _READ_CHUNK = 4096
@@ -207,7 +217,13 @@ class BpfSource:
         #: Rows carried into an interval without being resolved again (cumulative).
         self.carried = 0
         self._last_tick = 0.0
-        self._cut_at = 0.0  #: when the last sub-tick cut the kernel's sums
+        self._cut_at = 0.0  #: when the kernel's sums were last cut (read)
+        self._next_drain = 0.0  #: when they are read next at the latest
+        #: (tgid, user stack id) of new stacks, resolved at sub-ticks while their
+        #: processes live (the ring's records say whose they are).
+        self._new_stacks: list[tuple[int, int]] = []
+        self._new_since_drain = 0
+        self._new_rows = 0  #: new keys met by the reads of the sums (cumulative)
         self._interval_base = 0.0  #: when the last interval's resolving was done
         self._last_subtick = 0.0
         self._next_subtick = 0.0
@@ -294,6 +310,7 @@ class BpfSource:
         release_compiler_memory()
         self._last_tick = self._last_subtick = self._interval_base = armed
         self._next_subtick = armed + cfg.subtick_s
+        self._next_drain = armed  # at the first sub-tick: it may be a flood
 
     def _in_scope(self, pid: int, tid: int) -> bool:
         cfg = self.config
@@ -440,29 +457,86 @@ class BpfSource:
         records: list[bytes] = []
         ring.drain(records)
         if records:
-            stacks.offer_user(new_user_stacks(records))
+            new = new_user_stacks(records)
+            self._new_since_drain += len(new)
+            stacks.offer_user([(sid, raw) for sid, _tgid, raw in new])
+            if len(self._new_stacks) < _NEW_STACKS_MAX:
+                self._new_stacks.extend([(tgid, sid) for sid, tgid, _raw in new])
+
+    def _resolve_new_stacks(self, deadline: float) -> None:
+        """Resolve the new user stacks waiting (`_new_stacks`) until the next sub-tick.
+
+        Between two reads of the kernel's sums (`drain_s` apart), a new key is
+        not seen; its user stack is, as the probe sends it (with its process).
+        Resolved here, while the process lives, its frames are kept, and its
+        rows find them there when the sums are read, even once it is gone (a
+        process born and reaped within the second). A stack whose id another
+        process had first is not sent again: a process that shares another's
+        addresses and lives less than `drain_s` may lose its names."""
+        pending = self._new_stacks
+        user, clock = self.frames.user, self._clock
+        done = 0
+        # Until the next sub-tick is due, as rows are resolved (`_sum_rows`): past
+        # `deadline`, only symbols already read are used (`StackStore.user`).
+        for tgid, sid in pending:
+            if done % 64 == 0 and (clock() >= self._next_subtick or self.frames.gave_up()):
+                break
+            user(tgid, sid, deadline)
+            done += 1
+        del pending[:done]
 
     def _subtick(self, now: float, *, last: bool = False) -> None:
         """Resolve what arrived since the last sub-tick, while processes live. `last`:
-        the interval's last, whose cut its snapshot's costs are read at."""
+        the interval's last, whose cut its snapshot's costs are read at.
+
+        The kernel's sums are read (drained) at the interval's last sub-tick, once
+        `drain_s` passed since they were, when a target is found gone (its last
+        blocks are its own), and, in a flood, when many new stacks came since or
+        when the last read left rows unresolved; the other sub-ticks resolve the
+        new stacks."""
         self._next_subtick = now + self.config.subtick_s
         deadline = self._deadline = now + self.config.symbol_budget_s
         self.frames.new_subtick()
         self._read_ring()
-        # The kernel's sums are cut here, next to the ring's read: both end the
-        # sub-tick at one moment, the one an interval's length is taken from
-        # (or, once a stop came, the moment the probe stopped recording).
-        self._cut_at = min(self._clock(), self.probe.stopped_at)
-        drained = self.probe.drain_aggregates()
+        lost = self.targets.check() if self.targets.configured else []
+        self._read_new_stacks()
+        drain = (last or now >= self._next_drain or bool(lost)
+                 or self._new_since_drain >= _FLOOD_NEW)
+        drained = None
+        if drain:
+            self._next_drain = now + self.config.drain_s
+            self._new_since_drain = 0
+            # The kernel's sums are cut here, next to the ring's read: both end
+            # the sub-tick at one moment, the one an interval's length is taken
+            # from (or, once a stop came, the moment the probe stopped recording).
+            self._cut_at = min(self._clock(), self.probe.stopped_at)
+            drained = self.probe.drain_aggregates()
         if last:
             self._cut_counters = self.probe.counters()
             self._cut_cpu = SelfCost.cpu_s()
         self._read_new_stacks()  # after the rows: their stacks were sent before them
+        covered = len(self._new_stacks)
         self._control_flood(now)
-        self._check_targets()
+        self._targets_lost(lost)
         if self.frames.python is not None:
             self.frames.python.sample(self._blocked_record)
-        iv = self._interval
+        self._resolve_long_blocks(deadline)
+        if drained is None:
+            self._resolve_new_stacks(deadline)
+        else:
+            behind, new_rows = self._interval.behind_rows, self._new_rows
+            self._sum_drained(drained, deadline)
+            # Resolved with the rows just read; those that came while they were
+            # summed are of rows read next time.
+            del self._new_stacks[:covered]
+            if self._interval.behind_rows > behind or self._new_rows - new_rows >= _FLOOD_NEW:
+                # A flood: the next sub-tick reads again (rows left unresolved are
+                # tried again at their next read: soon).
+                self._next_drain = now
+
+    def _sum_drained(self, drained: Drained, deadline: float) -> None:
+        """Sum the kernel's sums just read, and the long blocks' events read since the
+        last time, into this interval's rows."""
         stacks = self.frames.stacks
         assert stacks is not None
         if stacks.generation != self._known_generation:
@@ -482,7 +556,11 @@ class BpfSource:
                              (wt, wtid, wus, wks, what, wcomm)))
             self._sum_rows(keys, sums, raws.__getitem__, True, deadline, seq)
             self._event_acc = {}
+
+    def _resolve_long_blocks(self, deadline: float) -> None:
+        """The long blocks read since the last sub-tick, each resolved whole."""
         if self._event_tail:
+            iv = self._interval
             wall = self._mono_to_wall
             # Each CPU's ring is in order; merge them by end time.
             for ev in sorted(self._event_tail):
@@ -545,6 +623,7 @@ class BpfSource:
                 r = row_of(i)
                 if not (event or accepts(r[0], r[1])):
                     continue
+                self._new_rows += 1
                 if stopping or behind:
                     if self._unresolved_row(key, r, seq, stopping) and behind:
                         self._interval.behind_rows += 1
@@ -586,10 +665,9 @@ class BpfSource:
         self._subtick_events = 0
         self._durations.clear()
 
-    def _check_targets(self) -> None:
-        if not self.targets.configured:
-            return
-        lost = self.targets.check()
+    def _targets_lost(self, lost: list[str]) -> None:
+        """Targets found gone (`TargetWatch.check`'s notices): said, and forgotten by the
+        probe (after their last sums were read)."""
         if not lost:
             return
         self._interval.notices.extend(lost)

@@ -210,8 +210,8 @@ BPF_TABLE("stacktrace", int, struct kstack_t, kernel_stacks, OFFTOP_STACK_ENTRIE
 // and briefly exists in several versions).
 BPF_TABLE("lru_hash", u32, struct ustack_t, user_stacks, OFFTOP_USTACK_ENTRIES);
 // One frame longer than a stack, so the terminating 0 always has a place;
-// the id in front: a new stack is also sent whole, id first, through
-// new_user_stacks, so that Python has its frames without a lookup per id
+// the id in front: a new stack is also sent whole, id first (its process's
+// tgid in the id's upper half), through new_user_stacks, so that Python has its frames without a lookup per id
 // (one system call each: thousands a second under process churn) and even
 // once the LRU has evicted it (Python falls back to the map when a record
 // was lost).
@@ -544,7 +544,7 @@ static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_re
     if (!have) {
         int err = user_stacks.insert(&id, (struct ustack_t *)st->ip);
         if (err == 0) {
-            st->id = id;
+            st->id = id | ((u64)tgid << 32);   // whose it is: resolved while it lives
             new_user_stacks.perf_submit(args, st, 8 + frames * 8);   // frames <= DEPTH
             return id;
         }
