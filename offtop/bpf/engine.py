@@ -223,7 +223,6 @@ class BpfSource:
         #: processes live (the ring's records say whose they are).
         self._new_stacks: list[tuple[int, int]] = []
         self._new_since_drain = 0
-        self._new_rows = 0  #: new keys met by the reads of the sums (cumulative)
         self._interval_base = 0.0  #: when the last interval's resolving was done
         self._last_subtick = 0.0
         self._next_subtick = 0.0
@@ -524,19 +523,19 @@ class BpfSource:
         if drained is None:
             self._resolve_new_stacks(deadline)
         else:
-            behind, new_rows = self._interval.behind_rows, self._new_rows
-            self._sum_drained(drained, deadline)
+            behind = self._interval.behind_rows
+            new_keys = self._sum_drained(drained, deadline)
             # Resolved with the rows just read; those that came while they were
             # summed are of rows read next time.
             del self._new_stacks[:covered]
-            if self._interval.behind_rows > behind or self._new_rows - new_rows >= _FLOOD_NEW:
+            if self._interval.behind_rows > behind or new_keys >= _FLOOD_NEW:
                 # A flood: the next sub-tick reads again (rows left unresolved are
                 # tried again at their next read: soon).
                 self._next_drain = now
 
-    def _sum_drained(self, drained: Drained, deadline: float) -> None:
+    def _sum_drained(self, drained: Drained, deadline: float) -> int:
         """Sum the kernel's sums just read, and the long blocks' events read since the
-        last time, into this interval's rows."""
+        last time, into this interval's rows; how many keys were new (`_sum_rows`)."""
         stacks = self.frames.stacks
         assert stacks is not None
         if stacks.generation != self._known_generation:
@@ -545,7 +544,7 @@ class BpfSource:
             for kept in self._known.values():
                 kept.final = False
         seq = self._seq + 1  # the interval being summed
-        self._sum_rows(drained.keys, drained.sums, drained.row, False, deadline, seq)
+        new_keys = self._sum_rows(drained.keys, drained.sums, drained.row, False, deadline, seq)
         if self._event_acc:
             keys, sums, raws = [], [], []
             for ekey, (tot, cnt, mx, comm, wcomm, wus, wks) in self._event_acc.items():
@@ -554,8 +553,9 @@ class BpfSource:
                 sums.append((tot, mx, cnt, comm, wus, wks))
                 raws.append((tgid, tid, st, us, ks, tot, cnt, mx, comm,
                              (wt, wtid, wus, wks, what, wcomm)))
-            self._sum_rows(keys, sums, raws.__getitem__, True, deadline, seq)
+            new_keys += self._sum_rows(keys, sums, raws.__getitem__, True, deadline, seq)
             self._event_acc = {}
+        return new_keys
 
     def _resolve_long_blocks(self, deadline: float) -> None:
         """The long blocks read since the last sub-tick, each resolved whole."""
@@ -579,14 +579,16 @@ class BpfSource:
             self._event_tail.clear()
 
     def _sum_rows(self, keys: list[bytes], sums: list[RawSums], row_of: Callable[[int], RawRow],
-                  event: bool, deadline: float, seq: int) -> None:
+                  event: bool, deadline: float, seq: int) -> int:
         """Sum rows into interval `seq`'s (`_known`): row i has key `keys[i]`, sums
         `sums[i]` and, decoded whole, `row_of(i)` (asked only for a key not summed
         this interval). A key summed before this interval is carried (see _Row),
         else resolved. `event`: long blocks' rows, never collapsed at a stop and
-        already checked against the targets (`_read_ring`)."""
+        already checked against the targets (`_read_ring`). Returns how many keys
+        were new (neither summed this interval nor carried)."""
         rows = self._known
         accepts = self.targets.accepts
+        new_keys = 0
         for lo in range(0, len(keys), _STOP_CHECK_ROWS):
             # Asked once a chunk, not per row: once a stop came and its time to
             # resolve is over, or once the next sub-tick is due (offtop is
@@ -623,13 +625,14 @@ class BpfSource:
                 r = row_of(i)
                 if not (event or accepts(r[0], r[1])):
                     continue
-                self._new_rows += 1
+                new_keys += 1
                 if stopping or behind:
                     if self._unresolved_row(key, r, seq, stopping) and behind:
                         self._interval.behind_rows += 1
                 else:
                     rows[key] = self._row(r, event, seq, self._rows.resolve(*r[:5], r[9],
                                                                             deadline))
+        return new_keys
 
     def _unresolved_row(self, key: bytes | tuple[int, ...], raw: RawRow, seq: int,
                         stopping: bool) -> bool:

@@ -211,10 +211,10 @@ BPF_TABLE("stacktrace", int, struct kstack_t, kernel_stacks, OFFTOP_STACK_ENTRIE
 BPF_TABLE("lru_hash", u32, struct ustack_t, user_stacks, OFFTOP_USTACK_ENTRIES);
 // One frame longer than a stack, so the terminating 0 always has a place;
 // the id in front: a new stack is also sent whole, id first (its process's
-// tgid in the id's upper half), through new_user_stacks, so that Python has its frames without a lookup per id
-// (one system call each: thousands a second under process churn) and even
-// once the LRU has evicted it (Python falls back to the map when a record
-// was lost).
+// tgid in the id's upper half), through new_user_stacks, so that Python has
+// its frames without a lookup per id (one system call each: thousands a
+// second under process churn) and even once the LRU has evicted it (Python
+// falls back to the map when a record was lost).
 struct ustack_scratch_t { u64 id; u64 ip[OFFTOP_USTACK_DEPTH + 1]; };
 BPF_PERCPU_ARRAY(ustack_scratch, struct ustack_scratch_t, 1);
 BPF_PERF_OUTPUT(new_user_stacks);
