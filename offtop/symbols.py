@@ -19,7 +19,10 @@ resolved is said, never guessed:
   not trusted (a frame-pointer walk through code without frame pointers
   reads garbage): the stack is cut there and ends with MARK_TRUNCATED;
 - a process gone before its first sight (its map gone with it) gives the
-  stack MARK_PROCESS_GONE alone;
+  stack MARK_PROCESS_GONE alone, unless `stand_in` names a living process
+  whose memory it was forked with (offtop.bpf.lineage): then its addresses
+  are resolved in that one's map and files, perf maps aside (a JIT's code
+  there may be another since the fork: anonymous memory stays unnamed);
 - caller frames (every address after the first is a return address) are
   looked up at address - 1, so a function ending in a call to a noreturn
   function is not reported as the function placed after it;
@@ -185,6 +188,9 @@ MAPS_TOO_LARGE = "maps too large"
 PERF_MAP_PREFIX = "perf map "
 PERF_MAP_TRUNCATED = "perf map too large"
 PERF_MAP_LONG_LINE = "perf map line too long"
+
+#: The module of frames named from a perf map.
+JIT_MODULE = "[jit]"
 
 #: Caps on what one process may make offtop read and keep.
 MAX_MAPS_BYTES = 2 << 20  # ~20,000 lines: 10x a browser's; ~30 ms to read and parse
@@ -449,6 +455,16 @@ class UserSymbols:
         self._proc_root = proc
         self.elf = elf_cache if elf_cache is not None else ElfCache(clock=clock)
         self.misses = 0
+        #: The living process whose memory map a process gone before its first
+        #: sight was forked with, and its start time (None: none known); set by
+        #: the engine (offtop.bpf.lineage).
+        self.stand_in: Callable[[int], tuple[int, int] | None] | None = None
+        #: Stacks of processes gone before their first sight resolved in a stand-in's map.
+        self.stood_in = 0
+        # pid -> (when asked, the answer): a gone process's stacks and their
+        # unwinding ask again and again, a read of the probe's notes and of
+        # /proc each time; an answer holds for REREAD_S.
+        self._stand_ins: dict[int, tuple[float, tuple[int, int] | None]] = {}
 
     @property
     def errors(self) -> MappingABC[str, int]:
@@ -497,14 +513,42 @@ class UserSymbols:
         """Read a process's memory map at first sight, while it is alive."""
         self._proc(pid)
 
+    def _stood_in(self, pid: int) -> tuple[int, _Proc] | None:
+        """(pid, cache) of the process to resolve a gone one's addresses in (`stand_in`)."""
+        if self.stand_in is None:
+            return None
+        now = self._clock()
+        known = self._stand_ins.get(pid)
+        if known is None or now - known[0] >= REREAD_S:
+            if len(self._stand_ins) >= 4096:
+                self._stand_ins.clear()
+            known = self._stand_ins[pid] = (now, self.stand_in(pid))
+        if known[1] is None:
+            return None
+        other, start = known[1]
+        p = self._proc(other, start)
+        return (other, p) if p is not None else None
+
+    def stand_in_for(self, pid: int) -> int | None:
+        """The process a gone one's addresses are resolved in (`stand_in`), if its own
+        map is not known here; None if it is, or there is none."""
+        if pid in self._procs:
+            return None
+        stood = self._stood_in(pid)
+        return stood[0] if stood is not None else None
+
     def file_mappings(self, pid: int, addr: int, start: int | None = None) -> list[Mapping]:
         """The process's executable file mappings, for unwinding near `addr`: the
         ones its symbols come from (one read of /proc/PID/maps for both), read
         again as for a symbol, if `addr` lies outside them. The same list until
-        then, so that callers may key their own caches by it. [] if it is gone."""
+        then, so that callers may key their own caches by it. [] if it is gone
+        (and no stand-in's, see the module docstring)."""
         p = self._proc(pid, start or None)
         if p is None:
-            return []
+            stood = self._stood_in(pid)
+            if stood is None:
+                return []
+            pid, p = stood
         self._mapping(pid, p, addr, None)
         if p.files is None:
             p.files = [m for m in p.maps if m.handle]
@@ -525,9 +569,15 @@ class UserSymbols:
         if not addrs:
             return ()
         p = self._proc(pid, start or None)
+        jit = True
         if p is None:
-            self._miss(PROCESS_GONE)
-            return (Frame(name=MARK_PROCESS_GONE),)
+            stood = self._stood_in(pid)
+            if stood is None:
+                self._miss(PROCESS_GONE)
+                return (Frame(name=MARK_PROCESS_GONE),)
+            pid, p = stood
+            jit = False
+            self.stood_in += 1
         out: list[Frame] = []
         for n, addr in enumerate(addrs):
             # Every address after the first is a return address: the call
@@ -535,8 +585,10 @@ class UserSymbols:
             look = addr if n == 0 else addr - 1
             key = addr << 1 | (n != 0)
             f = p.frames.get(key)
+            if f is not None and not jit and f.module == JIT_MODULE:
+                f = None
             if f is None:
-                f, keep = self._resolve(pid, p, addr, look, deadline)
+                f, keep = self._resolve(pid, p, addr, look, deadline, jit=jit)
                 if f is None:
                     out.append(Frame(name=MARK_TRUNCATED))
                     break
@@ -594,17 +646,19 @@ class UserSymbols:
         return None
 
     def _resolve(self, pid: int, p: _Proc, addr: int, look: int,
-                 deadline: float | None) -> tuple[Frame | None, bool]:
+                 deadline: float | None, *, jit: bool = True) -> tuple[Frame | None, bool]:
         """The frame at `addr` (looked up at `look`), and whether to cache it.
 
-        None: the address is in no mapping, not to be trusted.
+        None: the address is in no mapping, not to be trusted. `jit`: name
+        anonymous memory from the perf map (not for a stand-in's, where it is
+        not cached either).
         """
         m = self._mapping(pid, p, look, deadline)
         if m is not None and m.handle:
             return self._file_frame(p, m, addr, look, deadline)
-        name, settled = self._jit_name(pid, p, look, deadline)
+        name, settled = self._jit_name(pid, p, look, deadline) if jit else (None, False)
         if name is not None:
-            return Frame(name=name, module="[jit]", kernel=False), True
+            return Frame(name=name, module=JIT_MODULE, kernel=False), True
         if m is None:
             self._miss(UNTRUSTED)
             return None, False

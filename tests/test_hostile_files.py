@@ -38,6 +38,7 @@ from offtop.symbols import (
     PerfMap,
     UserSymbols,
 )
+from offtop.targets import task_start_time
 
 T = TypeVar("T")
 
@@ -394,6 +395,23 @@ def test_perf_map_names_with_control_characters_and_invalid_utf8(
     assert [(f.name, f.module) for f in frames] == [
         (raw.decode("utf-8", "replace"), "[jit]"), ("second", "[jit]")]
     assert u.errors == {}
+
+
+def test_a_stand_ins_perf_map_never_names_a_gone_processs_frames(
+        mapper: Callable[..., tuple[int, list[int]]], perf_map_of: Callable[[int], Path]) -> None:
+    # A process gone before its first sight, resolved in the process it was
+    # forked from (offtop.bpf.lineage): that one's JIT code at an address may
+    # be other code than the child's, so anonymous memory stays unnamed, even
+    # where the stand-in's own frame there is named and cached.
+    pid, (jit, *_) = mapper()
+    perf_map_of(pid).write_bytes(b"%x 40 jitted\n" % jit)
+    u = UserSymbols(start_time=lambda p: None if p == 4242 else task_start_time(p))
+    u.stand_in = lambda p: (pid, task_start_time(pid) or 0) if p == 4242 else None
+    with bounded():
+        assert [f.name for f in u.resolve_stack(pid, [jit + 4])] == ["jitted"]
+        frames = u.resolve_stack(4242, [jit + 4])
+    assert frames[0].name != "jitted" and frames[0].unknown and frames[0].module != "[jit]"
+    assert u.stood_in == 1
 
 
 def test_a_fifo_perf_map_is_ignored_without_blocking(

@@ -36,6 +36,7 @@ from offtop.symbols import (
     read_maps,
     strip_tracer_frames,
 )
+from offtop.targets import task_start_time
 
 LIBC = ctypes.CDLL("libc.so.6")
 
@@ -169,6 +170,34 @@ def test_a_process_gone_before_first_sight_gives_a_marked_empty_stack() -> None:
     u = UserSymbols(start_time=lambda pid: None)
     assert [f.name for f in u.resolve_stack(4242, [0x401000, 0x401100])] == [MARK_PROCESS_GONE]
     assert u.resolve_stack(4242, []) == ()
+
+
+def test_a_process_gone_before_first_sight_resolves_in_its_stand_in() -> None:
+    # A process forked from this one (offtop.bpf.lineage), gone before its
+    # first sight: its addresses are this one's, named in this one's map.
+    getpid = _addr(LIBC.getpid)
+    me = os.getpid()
+    u = UserSymbols(start_time=lambda pid: None if pid == 4242 else task_start_time(pid))
+    mine = task_start_time(me)
+    assert mine
+    u.stand_in = lambda pid: (me, mine) if pid == 4242 else None
+    frames = u.resolve_stack(4242, [getpid + 1, 0x10])
+    assert frames[0].name in ("getpid", "__getpid") and frames[0].module == "libc.so.6"
+    assert frames[1].name == MARK_TRUNCATED  # outside the map it is resolved in: cut
+    assert u.stood_in == 1
+    (libc,) = [m for m in u.file_mappings(4242, getpid) if m.start <= getpid < m.end]
+    assert f"/proc/{me}/" in libc.handle
+    assert u.stand_in_for(4242) == me and u.stand_in_for(me) is None  # its own map is known
+    # No stand-in known (or none alive): marked, as before.
+    assert [f.name for f in u.resolve_stack(4343, [getpid + 1])] == [MARK_PROCESS_GONE]
+    # An answer holds for a second (REREAD_S): asked again and again while a
+    # gone process's stacks are resolved and unwound.
+    asked: list[int] = []
+    u = UserSymbols(start_time=lambda pid: None if pid in (4242, 4343) else task_start_time(pid))
+    u.stand_in = lambda pid: asked.append(pid) or None  # type: ignore[func-returns-value]
+    assert [f.name for f in u.resolve_stack(4242, [getpid + 1])] == [MARK_PROCESS_GONE]
+    assert u.file_mappings(4242, getpid) == []
+    assert asked == [4242] and u.stood_in == 0
 
 
 def test_read_maps_keeps_executable_mappings_and_decodes_paths(tmp_path: Path) -> None:

@@ -131,9 +131,16 @@ def test_a_walk_that_ended_in_a_frame_without_frame_pointer_that_has_a_caller_is
     # Another process, stopped at its outermost frame or at a frame-pointer frame: whole.
     assert repair.repair(200, (0x1000, 0x2000, 0x3000, 0x4000), start=9)[1] is False
     assert repair.repair(300, (0x1000, 0x2000), start=9)[1] is False
-    # Nothing is taught for a process gone (start 0): nothing is said of its end.
-    assert repair.repair(400, (0x1000, 0x2000, 0x3000), start=0)[1] is False
-    assert repair.stats.cut == 2
+    # A process gone (start 0): nothing is taught, yet its end is judged by the
+    # rules its files give (a stand-in's, offtop.bpf.lineage; here the fake's),
+    # with the same answers; where no rule is known, nothing is said of its end.
+    assert repair.repair(400, (0x1000, 0x2000, 0x3000), start=0)[1] is True
+    assert repair.repair(400, (0x1000, 0x2000, 0x3000, 0x4000), start=0)[1] is False
+    assert repair.repair(400, (0x1000, 0x2000), start=0)[1] is False
+    assert not any(pid == 400 for pid, _ in probe.rules)
+    assert repair.stats.cut == 3
+    unknown = UserStackRepair(FakeUnwinder(), probe.teach, maps=lambda pid, pc, start: [])  # type: ignore[arg-type]
+    assert unknown.repair(400, (0x1000, 0x2000, 0x3000), start=0)[1] is False
 
 
 class RecordingUnwinder:

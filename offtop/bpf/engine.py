@@ -40,8 +40,9 @@ from offtop.bpf.decode import (
     state_name,
 )
 from offtop.bpf.flood import FloodControl
+from offtop.bpf.lineage import Lineage
 from offtop.bpf.perf_ring import PerfRing, make_room_for_files, online_cpus, ring_pages
-from offtop.bpf.probe import Drained, Probe, RawRow, RawSums, agg_key
+from offtop.bpf.probe import LINEAGE, Drained, Probe, RawRow, RawSums, agg_key
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import PythonFrames
 from offtop.bpf.row_frames import Resolved, RowFrames
@@ -289,6 +290,8 @@ class BpfSource:
         if cfg.user_stacks:
             unwinder = self._unwinder = Unwinder()
             assert self._usyms is not None
+            if self.probe.has_map(LINEAGE):
+                self._usyms.stand_in = Lineage(self.probe.forked).stand_in
             self.frames.unwound = UnwoundStacks(unwinder, self._usyms, clock=self._clock,
                                                saved=self.probe.user_regs)
             if cfg.python_stacks:
@@ -473,14 +476,17 @@ class BpfSource:
         process had first is not sent again: a process that shares another's
         addresses and lives less than `drain_s` may lose its names."""
         pending = self._new_stacks
-        user, clock = self.frames.user, self._clock
+        user, start_of, clock = self.frames.user, self.frames.start_of, self._clock
         done = 0
         # Until the next sub-tick is due, as rows are resolved (`_sum_rows`): past
         # `deadline`, only symbols already read are used (`StackStore.user`).
         for tgid, sid in pending:
             if done % 64 == 0 and (clock() >= self._next_subtick or self.frames.gave_up()):
                 break
-            user(tgid, sid, deadline)
+            # A process gone before its first sight keeps nothing here: its rows
+            # are resolved as they are read (in the process it was forked from).
+            if start_of(tgid):
+                user(tgid, sid, deadline)
             done += 1
         del pending[:done]
 

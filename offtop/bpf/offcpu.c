@@ -973,12 +973,51 @@ TRACEPOINT_PROBE(sched, sched_process_free)
 // exec may turn a kernel thread into a user process (user-mode helpers) and
 // makes a non-leader thread take over the leader's pid (de_thread): both
 // records involved are dropped and the thread is classified afresh.
+#if OFFTOP_USER_STACKS
+// Whose memory each new task began with (the task that forked it: a child
+// copies the forking task's memory, whatever its parent of record) and when;
+// and when each process last exec'd. A process forked, blocked and reaped
+// between two of Python's reads (a pre-fork server's worker, a shell's
+// subshell: a millisecond) is never seen alive, and its stacks' addresses mean
+// nothing without its memory map. Python resolves them in the process it was
+// forked from while neither has exec'd since (offtop.bpf.lineage). Times are
+// boot-clock ns, as /proc's start times. Rare events: one map update each.
+struct lineage_t { u32 parent; u32 pad; u64 fork_ns; u64 exec_ns; };
+BPF_TABLE("lru_hash", u32, struct lineage_t, lineage, 32768);
+
+TRACEPOINT_PROBE(sched, sched_process_fork)
+{
+    u32 child = args->child_pid;
+    struct lineage_t l = {};
+    l.parent = bpf_get_current_pid_tgid() >> 32;
+    l.fork_ns = bpf_ktime_get_boot_ns();
+    lineage.update(&child, &l);
+    return 0;
+}
+
+static __always_inline void note_exec(u32 tgid)
+{
+    u64 now = bpf_ktime_get_boot_ns();
+    struct lineage_t *l = lineage.lookup(&tgid);
+    if (l) {
+        l->exec_ns = now;
+    } else {
+        struct lineage_t fresh = {};
+        fresh.exec_ns = now;
+        lineage.update(&tgid, &fresh);
+    }
+}
+#endif
+
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 tid = args->pid, old = args->old_pid;
     drop_rec(tid);
     if (old != tid)
         drop_rec(old);
+#if OFFTOP_USER_STACKS
+    note_exec(tid);     // the process (a thread that execs takes its leader's pid)
+#endif
     return 0;
 }
 

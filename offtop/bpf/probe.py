@@ -39,6 +39,7 @@ from offtop.bpf.decode import (
     owned_slots,
     stack_addresses,
 )
+from offtop.bpf.lineage import Forked, decode_forked
 from offtop.bpf.loader.cache import DEFAULT_DIR, ArtifactCache
 from offtop.bpf.loader.kernel import LoadedObject, LoadFailed
 from offtop.bpf.loader.load import Compile, LoadReport, load_object
@@ -46,6 +47,8 @@ from offtop.bpf.maps import BPF_NOEXIST, BpfMap, ElementReader, MapError
 from offtop.bpf.task_regs import ITERATOR, TaskRegisters, UserRegs
 
 PROBE_FUNCTION = "tracepoint__sched__sched_switch"
+#: offcpu.c's notes of who forked whom (offtop.bpf.lineage); with user stacks only.
+LINEAGE = "lineage"
 #: Attached by hand, after the sched_waking probe bcc's naming rule attaches (offcpu.c).
 WAKING_FUNCTION = "on_sched_waking"
 
@@ -309,6 +312,12 @@ class Probe:
         come back); how many were there (the LRU may have dropped some)."""
         return self._map("unwind_rules").delete_many(
             [_RULE_KEY.pack(tgid, 0, pc) for tgid, pc in rules])
+
+    def forked(self, pid: int) -> Forked | None:
+        """The probe's note of which process `pid` was forked from, when, and when it
+        last exec'd (offtop.bpf.lineage); None if it has none."""
+        raw = self._map(LINEAGE).lookup(_U32.pack(pid))
+        return decode_forked(raw) if raw is not None else None
 
     def seed_record(self, tid: int, rec: StartRecord) -> bool:
         """Give a thread blocked before offtop started a record (overflow hash, never

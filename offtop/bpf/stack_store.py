@@ -234,7 +234,12 @@ class StackStore:
         at_limit = len(addrs) >= self._udepth
         cut = False
         if self._repair is not None:
-            addrs, cut = self._repair.repair(pid, addrs, start, at_limit=at_limit)
+            # A process gone before its first sight is checked by the rules of
+            # the one it was forked from (offtop.bpf.lineage): worked out there
+            # once, not once per process of a churn.
+            checked = (self.user_symbols.stand_in_for(pid) or pid) if not start else pid
+            addrs, cut = self._repair.repair(checked, addrs, start if checked == pid else 0,
+                                             at_limit=at_limit)
         if deadline is not None and time.monotonic() > deadline:
             self.stats.symbol_deadline_misses += 1
         frames = self.user_symbols.resolve_stack(pid, addrs, deadline=deadline, start=start)
@@ -247,7 +252,11 @@ class StackStore:
         if at_limit and not cut:
             frames = (*frames, Frame(name=MARK_DEPTH_LIMIT))
             self.stats.depth_limited += 1
-        if complete:
+        # A process gone (its start unknown) keeps nothing: its last rows are
+        # being read, and a churn of processes gone before their first sight,
+        # named in the process they were forked from (offtop.bpf.lineage),
+        # would fill the cache between two sweeps.
+        if start and complete:
             self._keep(pid, start, sid, frames)
         elif start:
             # A miss may resolve later (a library not read yet, a time

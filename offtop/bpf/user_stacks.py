@@ -255,8 +255,15 @@ class UserStackRepair:
             out.append(addr)
             if taught is not None and addr not in taught:
                 self._learn(pid, taught, addr, False)
-        last_rule = taught.get(out[-1]) if taught is not None else None
-        if not at_limit and last_rule is not None and last_rule & 0xFF == RULE_RSP:
+        if at_limit:
+            return tuple(out), False
+        if taught is not None:
+            last_rule = taught.get(out[-1])
+        else:
+            # A process gone (nobody to teach): the rule its files give, if
+            # they are known (a stand-in's: offtop.bpf.lineage), else none.
+            last_rule = pack_rule(self._rule(pid, out[-1], len(out) == 1))
+        if last_rule is not None and last_rule & 0xFF == RULE_RSP:
             # The walk ended at a function whose frame is not rbp-based yet has
             # a caller: the stack goes on past where the walk could follow.
             # Either the probe had no rule there when it walked (libc's
