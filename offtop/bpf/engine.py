@@ -474,7 +474,8 @@ class BpfSource:
         rows find them there when the sums are read, even once it is gone (a
         process born and reaped within the second). A stack whose id another
         process had first is not sent again: a process that shares another's
-        addresses and lives less than `drain_s` may lose its names."""
+        addresses and lives less than `drain_s` may lose its names, unless it was
+        forked (and did not exec) from one that lives (offtop.bpf.lineage)."""
         pending = self._new_stacks
         user, start_of, clock = self.frames.user, self.frames.start_of, self._clock
         done = 0

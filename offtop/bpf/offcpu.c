@@ -970,9 +970,6 @@ TRACEPOINT_PROBE(sched, sched_process_free)
     return 0;
 }
 
-// exec may turn a kernel thread into a user process (user-mode helpers) and
-// makes a non-leader thread take over the leader's pid (de_thread): both
-// records involved are dropped and the thread is classified afresh.
 #if OFFTOP_USER_STACKS
 // Whose memory each new task began with (the task that forked it: a child
 // copies the forking task's memory, whatever its parent of record) and when;
@@ -1009,6 +1006,9 @@ static __always_inline void note_exec(u32 tgid)
 }
 #endif
 
+// exec may turn a kernel thread into a user process (user-mode helpers) and
+// makes a non-leader thread take over the leader's pid (de_thread): both
+// records involved are dropped and the thread is classified afresh.
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 tid = args->pid, old = args->old_pid;
@@ -1016,7 +1016,8 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     if (old != tid)
         drop_rec(old);
 #if OFFTOP_USER_STACKS
-    note_exec(tid);     // the process (a thread that execs takes its leader's pid)
+    note_exec(tid);     // the process (a thread that execs takes its leader's pid);
+                        // its memory is the new program's from here
 #endif
     return 0;
 }
