@@ -156,3 +156,25 @@ def test_new_user_stack_records_give_the_id_its_process_and_the_whole_frames_onl
     assert decode.record_addresses(packed) == (0x401000, 0x401100 | (1 << 63), 0x7F0000001234)
     # A map's value: read up to its first 0.
     assert decode.stack_addresses(frames + bytes(16)) == decode.record_addresses(packed)
+
+
+def test_a_new_user_stack_with_a_copy_of_its_top() -> None:
+    # offcpu.c copy_stack: the id with USTACK_COPIED, depth + 1 frame slots (up to
+    # the first 0; the slots after it hold an older walk's frames), then sp, bp,
+    # the copy's length and the bytes.
+    depth = 7
+    frames = struct.pack("<3Q", 0x401000, 0x401100 | (1 << 63), 0x7F0000001234)
+    slots = frames + bytes(8) + struct.pack("<4Q", 0xDEAD, 0xBEEF, 1, 2)
+    data = bytes(range(256)) * 3
+    head = struct.pack("<IIQQQ", 0x1234 | decode.USTACK_COPIED, 777, 0x7FFC0000, 0x7FFC0100, len(data))
+    rec = head[:8] + slots + head[8:] + data + bytes(4)  # padded by the kernel
+    plain = struct.pack("<II", 0x55, 778) + frames
+    copies: list[decode.StackCopy] = []
+    got = decode.new_user_stacks([rec, plain], depth=depth, copies=copies)
+    assert got == [(0x1234, 777, frames), (0x55, 778, frames)]
+    assert copies == [decode.StackCopy(0x1234, 777, 0x401000, 0x7FFC0000, 0x7FFC0100, data)]
+    # Cut short (or no depth given): the frames are kept, the copy is not.
+    copies.clear()
+    assert decode.new_user_stacks([rec[:-200]], depth=depth, copies=copies) == [(0x1234, 777, frames)]
+    assert decode.new_user_stacks([rec], copies=copies) == []  # no depth: no slots to read
+    assert copies == []

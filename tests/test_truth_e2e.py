@@ -268,14 +268,13 @@ def test_processes_gone_give_their_rules_back_so_new_ones_are_still_unwound(
         remove_cgroup(cg)
 
 
-def test_a_second_gzip_is_unwound_whole_from_the_start_with_the_first_ones_sites() -> None:
-    """Debian's gzip (no frame pointers) reading a pipe. The probe's walk reveals one
-    frame more per rule taught, so the first gzip's read() stack comes in several
-    truncated versions (a frame deeper each) before it is whole. The sites it needed
-    are kept for its program: a second gzip, started after the first is gone, is
-    taught them when first seen, and its stack is whole (the same frames) from then:
-    one truncated version at most (its first sighting: the blocks walked before it was
-    seen; two if a walk ran while the rules were being written), not one per frame."""
+GzipStacks = list[tuple[tuple[str, ...], int]]
+
+
+def two_gzips(**cfg: Any) -> tuple[int, GzipStacks, int, GzipStacks]:
+    """Debian's gzip (no frame pointers) reading a slow pipe, then a second one once
+    the first is gone, in a cgroup of their own: each one's pid and its read()
+    stacks (frames, count)."""
     from offtop.bpf.engine import BpfSource, EngineConfig
     from offtop.cgroups import cgroup2_mounts
     from offtop.model import Aggregator
@@ -286,7 +285,7 @@ def test_a_second_gzip_is_unwound_whole_from_the_start_with_the_first_ones_sites
     assert mounts, "no cgroup v2 mount on this machine"
     cg = mounts[0] / f"offtop-test-gzip-{os.getpid()}"
     cg.mkdir()
-    src = BpfSource(EngineConfig(cgroup=str(cg)), aggregator=Aggregator(max_stacks=500_000))
+    src = BpfSource(EngineConfig(cgroup=str(cg), **cfg), aggregator=Aggregator(max_stacks=500_000))
 
     def join() -> None:
         (cg / "cgroup.procs").write_text(str(os.getpid()))
@@ -336,16 +335,32 @@ def test_a_second_gzip_is_unwound_whole_from_the_start_with_the_first_ones_sites
         src.close()
         remove_cgroup(cg)
 
-    def versions(stacks: list[tuple[tuple[str, ...], int]]) -> set[tuple[str, ...]]:
-        return {u for u, _ in stacks if u[-1] == MARK_TRUNCATED}
+    return first_pid, first, second_pid, second
+
+
+def _versions(stacks: GzipStacks) -> set[tuple[str, ...]]:
+    return {u for u, _ in stacks if u[-1] == MARK_TRUNCATED}
+
+
+def test_a_second_gzip_is_unwound_whole_from_the_start_with_the_first_ones_sites() -> None:
+    """Debian's gzip (no frame pointers) reading a pipe. The probe's walk reveals one
+    frame more per rule taught, so the first gzip's read() stack comes in several
+    truncated versions (a frame deeper each) before it is whole. The sites it needed
+    are kept for its program: a second gzip, started after the first is gone, is
+    taught them when first seen, and its stack is whole (the same frames) from then:
+    one truncated version at most (its first sighting: the blocks walked before it was
+    seen; two if a walk ran while the rules were being written), not one per frame.
+    Without the probe's stack copies, which teach the first gzip its rules at once
+    (the next test)."""
+    first_pid, first, second_pid, second = two_gzips(stack_copies=False)
 
     whole_first = {u for u, _ in first if MARK_TRUNCATED not in u}
     assert whole_first, first
     # Learned a frame per sighting: the control that shows this test can fail.
-    assert len(versions(first)) >= 4, first
+    assert len(_versions(first)) >= 4, first
     # The second gzip: whole once first seen, as the first one ended.
     assert second and first_pid != second_pid
-    assert len(versions(second)) <= 2, second
+    assert len(_versions(second)) <= 2, second
     whole = sum(n for u, n in second if u in whole_first)
     assert whole >= 0.5 * sum(n for _, n in second), (second, whole_first)
 
@@ -475,8 +490,11 @@ def test_forked_children_gone_within_a_millisecond_keep_their_names(workloads: A
             (cg / "cgroup.procs").write_text(str(os.getpid()))
 
         w = workloads("churn", "100", preexec=join)
-        snaps = offtop_json("-c", str(cg), "--limit", "0", count=3)
-    children = _children_stacks(snaps, w.pid)
+        snaps = offtop_json("-c", str(cg), "--limit", "0", count=4)
+    # From the second snapshot: a child forked before the probe noted forks and
+    # reaped after it began recording (offtop's start, a millisecond's window)
+    # has no note, and stays "gone" (README, Known limits): CI saw one, once.
+    children = _children_stacks(snaps[1:], w.pid)
     blocks = sum(n for _, n in children)
     named = sum(n for user, n in children if user[:2] == ["offtop_wl_child_sleep", "main"])
     gone = sum(n for user, n in children if MARK_PROCESS_GONE in user)
@@ -543,3 +561,20 @@ def test_the_probe_notes_who_forked_whom_and_who_exec_d() -> None:
         spawned.wait(timeout=5)
     finally:
         src.close()
+
+
+def test_the_first_gzip_is_whole_from_its_second_sighting_with_a_copy_of_its_stack() -> None:
+    """The probe sends a new stack whose walk ended on a broken rbp chain with a copy
+    of its top 4 KiB (offcpu.c copy_stack); offtop unwinds the copy with gzip's and
+    libc's call-frame information and teaches every rule the stack needs at once.
+    The first gzip's read() stack is whole from its next walk: two truncated
+    versions at most, where learning a frame per sighting took 4 or more (the test
+    before this one, its control)."""
+    first_pid, first, second_pid, second = two_gzips()
+    whole_first = {u for u, _ in first if MARK_TRUNCATED not in u}
+    assert whole_first, first
+    # Whole: down to libc's start code (gzip's own functions have no symbols).
+    assert all("__libc_start_call_main" in u for u in whole_first), first
+    assert len(_versions(first)) <= 2, first
+    assert second and first_pid != second_pid
+    assert len(_versions(second)) <= 2, second

@@ -1026,3 +1026,14 @@ def test_debian_sleep_unwinds_to_main_and_libc_start_code() -> None:
     assert "sleep" in modules[2:-3]
     if _libc_has_symtab():
         assert names[-3:-1] == ["__libc_start_call_main", "__libc_start_main"], names
+
+
+def test_a_copied_stack_serves_the_words_it_holds_and_none_outside() -> None:
+    from offtop.unwind.memory import CopiedStack
+
+    data = struct.pack("<4Q", 1, 2, 3, 4)
+    mem = CopiedStack(0x7000, data)
+    assert [mem.u64(0x7000 + 8 * i) for i in range(4)] == [1, 2, 3, 4]
+    assert mem.u64(0x7004) == int.from_bytes(data[4:12], "little")
+    assert mem.u64(0x6FF8) is None and mem.u64(0x7019) is None and mem.u64(0x7020) is None
+    assert mem.failures == {}

@@ -4,13 +4,15 @@ on both sides once it is gone or its pid is another's; and where a walk ended
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable
 from typing import Any
 
-from offtop.bpf.decode import FP_FRAME_TAG
+from offtop.bpf.decode import FP_FRAME_TAG, StackCopy
 from offtop.bpf.user_stacks import RULE_FP, UserStackRepair
 from offtop.unwind.maps import ExecMapping
 from offtop.unwind.rules import CfaKind, RegKind, Rule
+from offtop.unwind.unwinder import StopReason, UnwindResult
 
 
 class FakeUnwinder:
@@ -225,3 +227,40 @@ def test_sites_kept_are_bounded_per_program_and_in_programs() -> None:
     assert sites.addresses("/usr/bin/gzip", big) == []  # the oldest program went
     assert sites.addresses(f"/tmp/prog{MAX_PROGRAMS - 1}", maps) == [(0x100100, True)]
     assert len(sites) == MAX_PROGRAMS
+
+
+class CopyUnwinder(FakeUnwinder):
+    """Walks a copied stack as the real one would be asked to: records what it was
+    given and answers the frames a walk of that memory found."""
+
+    def __init__(self, found: tuple[int, ...]) -> None:
+        self.found = found
+        self.asked: list[tuple[int, int, int, int, int | None]] = []
+
+    def unwind(self, pid: int, tid: int, pc: int, sp: int, bp: int | None = None, *,
+               maps: Any = None, mem: Any = None) -> UnwindResult:
+        self.asked.append((pid, pc, sp, bp or 0, mem.u64(sp)))
+        return UnwindResult(self.found, StopReason.OUTERMOST)
+
+
+def test_a_stack_copy_teaches_every_rule_its_stack_needs_at_once() -> None:
+    """The probe sent a new stack whose walk ended on a broken rbp chain with its top
+    bytes: unwound here (the copy is the memory), each of its pcs is taught, so the
+    site's next walk is whole, not a frame longer (offcpu.c copy_stack)."""
+    probe = FakeProbe()
+    found = (0x1000, 0x1500, 0x2500, 0x3000)
+    unwinder = CopyUnwinder(found)
+    repair = UserStackRepair(unwinder, probe.teach, forget=probe.forget,  # type: ignore[arg-type]
+                             maps=lambda pid, pc, start: [])
+    copy = StackCopy(sid=5, tgid=100, pc=0x1000, sp=0x7000, bp=0x7100, data=struct.pack("<Q", 42) * 8)
+    assert repair.learn_from_copy(100, 7, copy) == 4
+    assert unwinder.asked == [(100, 0x1000, 0x7000, 0x7100, 42)]
+    assert {pc for pid, pc in probe.rules if pid == 100} == set(found)
+    assert repair.stats.copies_learned == 1
+    # Taught once: a second copy of the site teaches nothing new.
+    assert repair.learn_from_copy(100, 7, copy) == 0
+    # A process gone (start 0) is taught nothing; a pid now another process's
+    # (another start) first gives its old rules back.
+    assert repair.learn_from_copy(200, 0, copy) == 0 and unwinder.asked[-1][0] == 100
+    assert repair.learn_from_copy(100, 8, copy) == 4
+    assert probe.forgotten == [{100}]

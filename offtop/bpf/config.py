@@ -56,8 +56,9 @@ class EngineConfig:
     #: 1 MiB a CPU up to 8 CPUs, then 8 MiB in all (64 KiB a CPU at least).
     perf_pages: int = 256
     perf_pages_total: int = 2048
-    #: Pages per CPU of the ring new user stacks come through (~150 bytes each), at
-    #: most, and in all: 256 KiB a CPU up to 8 CPUs, then 2 MiB (32 KiB at least).
+    #: Pages per CPU of the ring new user stacks come through (~150 bytes each, ~5 KiB
+    #: with a copy of the stack's top: `stack_copies`), at most, and in all: 256 KiB a
+    #: CPU up to 8 CPUs, then 2 MiB (32 KiB at least).
     new_stack_pages: int = 64
     new_stack_pages_total: int = 512
     wakeup_events: int = 64
@@ -90,6 +91,10 @@ class EngineConfig:
     #: frequent as switches, and short blocks rarely need the why.
     waker_stacks_min_ns: int = 1_000_000
     exclude_self: bool = True
+    #: A new user stack whose walk ended on a broken rbp chain comes with a copy of
+    #: its top 4 KiB, which Python learns all its unwinding rules from at once
+    #: (offcpu.c copy_stack); without, each walk of it reveals one frame more.
+    stack_copies: bool = True
     scope: str = field(default="", compare=False)
 
     def cflags(self) -> list[str]:
@@ -110,6 +115,7 @@ class EngineConfig:
             "OFFTOP_KSTACK_DEPTH": self.kstack_depth,
             "OFFTOP_USTACK_DEPTH": self.ustack_depth,
             "OFFTOP_WAKERS": int(self.wakers),
+            "OFFTOP_STACK_COPIES": int(self.stack_copies),
         }
         for name, v in ints.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 1 << 24:

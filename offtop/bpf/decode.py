@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 from offtop import safe_text
@@ -129,19 +130,63 @@ def record_addresses(raw: bytes) -> tuple[int, ...]:
     return struct.unpack(f"<{len(raw) // 8}Q", raw)
 
 
-def new_user_stacks(records: list[bytes]) -> list[tuple[int, int, bytes]]:
+#: In a new user stack record's id: the stack's top bytes follow (offcpu.c USTACK_COPIED).
+USTACK_COPIED = 1 << 31
+#: How many bytes of a user stack the probe copies at most (offcpu.c STACK_COPY).
+STACK_COPY = 4096
+_COPY_HEAD = struct.Struct("<QQQ")  # sp, bp, length
+
+
+@dataclass(frozen=True, slots=True)
+class StackCopy:
+    """The top of a user stack as the probe copied it with a new stack (offcpu.c
+    copy_stack): the registers its walk began from and the bytes from sp up."""
+
+    sid: int
+    tgid: int
+    pc: int
+    sp: int
+    bp: int
+    data: bytes
+
+
+def new_user_stacks(records: list[bytes], *, depth: int = 0,
+                    copies: list[StackCopy] | None = None) -> list[tuple[int, int, bytes]]:
     """(id, tgid, packed frames) of each record the probe sent through
     `new_user_stacks` (offcpu.c): the id in a u64's lower half and the tgid of
     the process whose stack it is (the first to have it) in its upper half,
     then the frames, a u64 each; the kernel pads a record to 8 bytes with its
     4-byte size, so the frames are the whole u64s after the id. The frames
-    stay packed until read (`record_addresses`)."""
+    stay packed until read (`record_addresses`).
+
+    A record whose id has USTACK_COPIED holds `depth` + 1 frame slots (up to
+    the first 0), then the stack's top bytes: appended to `copies` (dropped
+    when the record is not whole, or no list is given). Without `depth` such
+    a record cannot be read: it is left out."""
     out = []
+    slots = 8 * (depth + 1)
     for rec in records:
+        low = int.from_bytes(rec[:4], "little")
+        if low & USTACK_COPIED:
+            if not depth:
+                continue
+            frames = rec[8: 8 + slots]
+            end = 0
+            while end + 8 <= len(frames) and frames[end: end + 8] != b"\0" * 8:
+                end += 8
+            if end:
+                out.append((low & ~USTACK_COPIED, int.from_bytes(rec[4:8], "little"), frames[:end]))
+            head = 8 + slots
+            if copies is not None and end and len(rec) >= head + _COPY_HEAD.size:
+                sp, bp, length = _COPY_HEAD.unpack_from(rec, head)
+                data = rec[head + _COPY_HEAD.size: head + _COPY_HEAD.size + min(length, STACK_COPY)]
+                if len(data) == length:
+                    copies.append(StackCopy(low & ~USTACK_COPIED, int.from_bytes(rec[4:8], "little"),
+                                            int.from_bytes(frames[:8], "little"), sp, bp, data))
+            continue
         n = (len(rec) - 8) // 8
         if n > 0:
-            out.append((int.from_bytes(rec[:4], "little"), int.from_bytes(rec[4:8], "little"),
-                        rec[8: 8 + 8 * n]))
+            out.append((low, int.from_bytes(rec[4:8], "little"), rec[8: 8 + 8 * n]))
     return out
 
 

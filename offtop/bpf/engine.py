@@ -35,6 +35,7 @@ from offtop.bpf.decode import (
     EVENT_STRUCT,
     ST_BEFORE_START,
     STATE_BITS,
+    StackCopy,
     decode_comm,
     new_user_stacks,
     state_name,
@@ -459,11 +460,14 @@ class BpfSource:
         records: list[bytes] = []
         ring.drain(records)
         if records:
-            new = new_user_stacks(records)
+            copies: list[StackCopy] = []
+            new = new_user_stacks(records, depth=self.config.ustack_depth, copies=copies)
             self._new_since_drain += len(new)
             stacks.offer_user([(sid, raw) for sid, _tgid, raw in new])
             if len(self._new_stacks) < _NEW_STACKS_MAX:
                 self._new_stacks.extend([(tgid, sid) for sid, tgid, _raw in new])
+            if copies:
+                stacks.offer_copies(copies)
 
     def _resolve_new_stacks(self, deadline: float) -> None:
         """Resolve the new user stacks waiting (`_new_stacks`) until the next sub-tick.

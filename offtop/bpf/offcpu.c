@@ -46,6 +46,8 @@
 //   OFFTOP_SLOTS          per-thread record slots (offcpu_slots)
 //   OFFTOP_KSTACK_DEPTH, OFFTOP_USTACK_DEPTH: frames kept per stack
 //   OFFTOP_WAKERS         1: record who wakes each block (sched_waking)
+//   OFFTOP_STACK_COPIES   1: send a stack's top bytes with a new user stack whose
+//                         walk ended on a broken rbp chain (copy_stack)
 
 // Normalized prev_state, as __trace_sched_switch_state() reports it: one bit
 // per TASK_REPORT state; TASK_REPORT_MAX (0x100) means "preempted while
@@ -215,8 +217,26 @@ BPF_TABLE("lru_hash", u32, struct ustack_t, user_stacks, OFFTOP_USTACK_ENTRIES);
 // its frames without a lookup per id (one system call each: thousands a
 // second under process churn) and even once the LRU has evicted it (Python
 // falls back to the map when a record was lost).
-struct ustack_scratch_t { u64 id; u64 ip[OFFTOP_USTACK_DEPTH + 1]; };
+//
+// A new stack whose walk ended on a broken rbp chain (code without frame
+// pointers, whose rules Python has not taught yet) is sent with the top
+// STACK_COPY bytes of its user stack and the registers the walk began from
+// (`copy` below; USTACK_COPIED set in the id): Python unwinds that copy with
+// the binaries' call-frame information and teaches the probe every rule the
+// stack needs at once, so the site's next walk is whole. (Without it, each
+// walk reveals one frame more: Debian's gzip took 9 sightings.) Copies are
+// paced per CPU (COPY_GAP_NS apart), so a start on a busy machine does not
+// flood the ring with them; a stack sent without one is learned as before.
+#define STACK_COPY 4096
+#define COPY_GAP_NS 8000000ULL
+#define USTACK_COPIED (1ULL << 31)      // in a record's id: a copy follows
+// bytes[] is twice what is sent, so that the verifier can prove the second
+// read in bounds (it bounds its offset and its length apart, not their sum).
+struct stack_copy { u64 sp; u64 bp; u64 len; u8 bytes[2 * STACK_COPY]; };
+struct ustack_scratch_t { u64 id; u64 ip[OFFTOP_USTACK_DEPTH + 1]; struct stack_copy copy; };
 BPF_PERCPU_ARRAY(ustack_scratch, struct ustack_scratch_t, 1);
+// When this CPU last sent a copy (ns).
+BPF_PERCPU_ARRAY(ustack_copied_at, u64, 1);
 BPF_PERF_OUTPUT(new_user_stacks);
 // The walk's frame count, passed through memory: see walk_user_stack().
 BPF_PERCPU_ARRAY(ustack_len, u64, 1);
@@ -442,6 +462,33 @@ static __always_inline u32 classify(void *args, u32 tgid, u32 tid)
 // memory, at a frame pointer no frame can have: below the first page
 // (mmap_min_addr), not 8-byte aligned, or past the user address space.
 // 32-bit tasks go to the kernel's walker.
+// The top of a user stack from `sp` up, into `st->copy`: to the end of sp's
+// page, then the next page's start while it is mapped (a stack's top may be
+// the page above). False when paced out or nothing could be read.
+static __always_inline bool copy_stack(struct ustack_scratch_t *st, u64 sp, u64 bp)
+{
+    u32 zero = 0;
+    u64 *at = ustack_copied_at.lookup(&zero);
+    u64 now = bpf_ktime_get_ns();
+    if (!at || now - *at < COPY_GAP_NS)
+        return false;
+    u64 first = STACK_COPY - (sp & (STACK_COPY - 1));  // 1..STACK_COPY, to the page's end
+    if (first > STACK_COPY || first == 0)
+        return false;
+    if (bpf_probe_read_user(st->copy.bytes, first, (void *)sp) != 0)
+        return false;
+    u64 len = first;
+    u64 rest = STACK_COPY - first;
+    if (rest > 0 && rest < STACK_COPY &&
+        bpf_probe_read_user(st->copy.bytes + first, rest, (void *)(sp + first)) == 0)
+        len = STACK_COPY;
+    *at = now;
+    st->copy.sp = sp;
+    st->copy.bp = bp;
+    st->copy.len = len;
+    return true;
+}
+
 static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_rec *rec)
 {
     u32 zero = 0;
@@ -465,6 +512,7 @@ static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_re
     // The id is a hash of the frames, mixed in as they are read.
     u64 h = 0x9E3779B97F4A7C15ULL;
     u32 n;
+    bool broken = false;        // ended on an rbp chain that cannot be a frame's
     if (ip_cs[1] != 0x33) {     // not __USER_CS: a 32-bit task
         long bytes = bpf_get_stack(args, st->ip, sizeof(struct ustack_t), BPF_F_USER_STACK);
         if (bytes <= 0)
@@ -500,11 +548,18 @@ static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_re
                 // No rule known (yet): one step along the rbp chain, stopped
                 // without touching memory at a frame pointer no frame can
                 // have (below the first page, unaligned, past user space).
-                if (bp < 4096 || (bp & 7) || bp > 0x00007fffffffeff0ULL)
+                if (bp < 4096 || (bp & 7) || bp > 0x00007fffffffeff0ULL) {
+                    // 0 is how the outermost frame ends the chain (_start and
+                    // clone clear rbp), but not within a stack's first two
+                    // frames: code without frame pointers holds 0 there too.
+                    broken = bp != 0 || i <= 2;
                     break;
+                }
                 u64 frame[2];       // saved rbp, return address
-                if (bpf_probe_read_user(frame, sizeof(frame), (void *)bp) != 0)
+                if (bpf_probe_read_user(frame, sizeof(frame), (void *)bp) != 0) {
+                    broken = true;
                     break;
+                }
                 ra = frame[1];
                 sp = bp + 16;
                 bp = frame[0];
@@ -545,7 +600,14 @@ static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_re
         int err = user_stacks.insert(&id, (struct ustack_t *)st->ip);
         if (err == 0) {
             st->id = id | ((u64)tgid << 32);   // whose it is: resolved while it lives
-            new_user_stacks.perf_submit(args, st, 8 + frames * 8);   // frames <= DEPTH
+            // Not for a waker's stack (rec NULL): wakers are anyone, outside
+            // -p/-c too, and their rules would take the budget of those watched.
+            if (OFFTOP_STACK_COPIES && rec && broken && copy_stack(st, ip_cs[3], fp)) {
+                st->id |= USTACK_COPIED;
+                new_user_stacks.perf_submit(args, st, sizeof(*st) - STACK_COPY);
+            } else {
+                new_user_stacks.perf_submit(args, st, 8 + frames * 8);   // frames <= DEPTH
+            }
             return id;
         }
         have = user_stacks.lookup(&id);     // inserted meanwhile on another CPU?

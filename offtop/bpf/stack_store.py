@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from offtop.bpf.decode import record_addresses
+from offtop.bpf.decode import StackCopy, record_addresses
 from offtop.model import MARK_DEPTH_LIMIT, MARK_TRUNCATED, MARK_USER_STACK_LOST, Frame
 from offtop.symbols import KernelSymbols, UserSymbols
 from offtop.targets import task_start_time
@@ -77,6 +77,8 @@ class StackStore:
     PRESENT_CHECK = 1024
     #: User stacks the probe sent whole (`offer_user`) are kept at most this many, unread.
     FRESH_MAX = 16_384
+    #: Stack copies kept unread at most (~4 KiB each: offer_copies).
+    COPIES_MAX = 256
 
     def __init__(
         self,
@@ -111,6 +113,7 @@ class StackStore:
         self._retry: dict[tuple[int, int, int], int] = {}  # (pid, start, id) -> interval to look again
         self._dead_ids: set[int] = set()  # user ids of processes gone at the last sweep
         self._fresh: dict[int, bytes] = {}  # user id -> its frames, packed, as the probe sent them
+        self._copies: dict[int, StackCopy] = {}  # user id -> its stack's top (offer_copies)
         self._seq = 0
         self.stats = StackStats()
         #: Bumped whenever ids are deleted or cached frames dropped wholesale: what
@@ -184,6 +187,18 @@ class StackStore:
             for sid in list(itertools.islice(fresh, len(fresh) - self.FRESH_MAX // 2)):
                 del fresh[sid]
 
+    def offer_copies(self, copies: list[StackCopy]) -> None:
+        """Copies of new stacks' tops the probe sent (offcpu.c copy_stack), kept by id
+        until the stack is resolved: where the repair cuts it, the rules its whole
+        stack needs are learned from its copy (`UserStackRepair.learn_from_copy`);
+        else it goes unused. Past COPIES_MAX unread, the oldest go."""
+        kept = self._copies
+        for copy in copies:
+            kept[copy.sid] = copy
+        if len(kept) > self.COPIES_MAX:
+            for sid in list(itertools.islice(kept, len(kept) - self.COPIES_MAX // 2)):
+                del kept[sid]
+
     def kernel(self, sid: int) -> tuple[Frame, ...]:
         """The kernel frames of id `sid` (() for none)."""
         if sid < 0 or self.kernel_symbols is None:
@@ -240,6 +255,9 @@ class StackStore:
             checked = (self.user_symbols.stand_in_for(pid) or pid) if not start else pid
             addrs, cut = self._repair.repair(checked, addrs, start if checked == pid else 0,
                                              at_limit=at_limit)
+            copy = self._copies.pop(sid, None)
+            if cut and copy is not None and copy.tgid == pid:
+                self._repair.learn_from_copy(pid, start, copy)
         if deadline is not None and time.monotonic() > deadline:
             self.stats.symbol_deadline_misses += 1
         frames = self.user_symbols.resolve_stack(pid, addrs, deadline=deadline, start=start)

@@ -34,8 +34,9 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from offtop.bpf.decode import FP_FRAME_TAG
+from offtop.bpf.decode import FP_FRAME_TAG, StackCopy
 from offtop.unwind import Unwinder
+from offtop.unwind.memory import CopiedStack
 from offtop.unwind.rules import CfaKind, RegKind, Rule
 from offtop.unwind.unwinder import FileMapping
 
@@ -81,6 +82,8 @@ class RepairStats:
     cut: int = 0
     #: Rules taught to a process ahead, from the sites of its program's earlier processes.
     rules_ahead: int = 0
+    #: Stack copies the probe sent that rules were learned from (`learn_from_copy`).
+    copies_learned: int = 0
 
 
 class ProgramSites:
@@ -223,22 +226,49 @@ class UserStackRepair:
         """
         if not addrs:
             return addrs, False
-        known = self._starts.get(pid)
-        first_sight = bool(start) and known != start
-        if first_sight:
-            if known is not None:
-                self.forget_processes({pid})
-            self._starts[pid] = start
+        maps = self._first_sight(pid, start, addrs[0])
         # None: the process is gone, there is nobody to teach.
         taught = self._taught.setdefault(pid, {}) if start else None
-        if not (first_sight and taught is not None):
-            return self._check(pid, addrs, taught, at_limit)
-        maps = self._maps(pid, addrs[0], start)
-        self._programs[pid] = program_of(maps)
         out, cut = self._check(pid, addrs, taught, at_limit)
-        # After the check: the walk had none of these rules.
-        self._teach_ahead(pid, taught, maps)
+        if maps is not None and taught is not None:
+            # After the check: the walk had none of these rules.
+            self._teach_ahead(pid, taught, maps)
         return out, cut
+
+    def learn_from_copy(self, pid: int, start: int, copy: StackCopy) -> int:
+        """Teach the probe every rule a stack needs, from the copy of its top the probe
+        sent with it (its walk ended on a broken rbp chain): unwound here with the
+        binaries' call-frame information, so the site's next walk is whole rather
+        than a frame longer. `start`: the process's start time (0: gone, nothing
+        is taught). How many rules were taught."""
+        if not start:
+            return 0
+        maps = self._first_sight(pid, start, copy.pc)
+        taught = self._taught.setdefault(pid, {})
+        walked = self._unwinder.unwind(pid, 0, copy.pc, copy.sp, copy.bp,
+                                       maps=self._maps(pid, copy.pc, start),
+                                       mem=CopiedStack(copy.sp, copy.data))
+        before = self.stats.rules_taught
+        for i, addr in enumerate(walked.addresses):
+            if addr not in taught:
+                self._learn(pid, taught, addr, i == 0)
+        self.stats.copies_learned += 1
+        if maps is not None:
+            self._teach_ahead(pid, taught, maps)
+        return self.stats.rules_taught - before
+
+    def _first_sight(self, pid: int, start: int, pc: int) -> Sequence[FileMapping] | None:
+        """At a process's first sight (`start` not the one taught before under its pid:
+        the old one's rules go first), its mappings around `pc`; else None."""
+        known = self._starts.get(pid)
+        if not start or known == start:
+            return None
+        if known is not None:
+            self.forget_processes({pid})
+        self._starts[pid] = start
+        maps = self._maps(pid, pc, start)
+        self._programs[pid] = program_of(maps)
+        return maps
 
     def _check(self, pid: int, addrs: tuple[int, ...], taught: dict[int, int] | None,
                at_limit: bool) -> tuple[tuple[int, ...], bool]:

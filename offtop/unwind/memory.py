@@ -95,3 +95,20 @@ class StackReader:
         if nxt is None:
             return None
         return int(_U64(page[off:] + nxt[:8 - (PAGE - off)], 0)[0])
+
+
+class CopiedStack:
+    """Words of a stack copied by the probe (`base` is the address of `data[0]`):
+    the memory of a moment gone by, so nothing outside the copy is read."""
+
+    def __init__(self, base: int, data: bytes) -> None:
+        self._base = base
+        self._data = data
+        self.failures: dict[str, int] = {}
+
+    def u64(self, addr: int) -> int | None:
+        """The 8-byte little-endian word at `addr`, or None outside the copy."""
+        off = addr - self._base
+        if off < 0 or off > len(self._data) - 8:
+            return None
+        return int(_U64(self._data, off)[0])

@@ -182,17 +182,19 @@ class Unwinder:
 
     def unwind(self, pid: int, tid: int, pc: int, sp: int, bp: int | None = None, *,
                regs: Mapping[int, int] | None = None,
-               maps: Sequence[FileMapping] | None = None) -> UnwindResult:
+               maps: Sequence[FileMapping] | None = None,
+               mem: WordReader | None = None) -> UnwindResult:
         """Walk the stack of thread `tid` of process `pid` from pc, sp (and rbp if known).
 
         `regs` are further registers of the first frame by DWARF number (the
         syscall arguments); `maps` the process's executable file mappings
-        (read from /proc/PID/maps when not given).
+        (read from /proc/PID/maps when not given); `mem` the stack's memory
+        (the process's own when not given; a copy the probe took: CopiedStack).
         """
         del tid  # the address space is the process's; kept for the callers' symmetry
         deadline = self._clock() + self.limits.time_budget_s
-        walk = _Walk(self._memory(pid, self.limits), self._read_maps(pid) if maps is None else maps,
-                     self.tables)
+        walk = _Walk(self._memory(pid, self.limits) if mem is None else mem,
+                     self._read_maps(pid) if maps is None else maps, self.tables)
         addrs: list[int] = []
         known: dict[int, int] = dict(regs or {})
         reason = self._walk(walk, addrs, pc, sp, bp, known, deadline)
