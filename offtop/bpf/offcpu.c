@@ -450,18 +450,6 @@ static __always_inline u32 classify(void *args, u32 tgid, u32 tid)
 }
 
 #if OFFTOP_USER_STACKS && defined(__x86_64__)
-// The user stack of the current thread, by its frame-pointer chain, as an id
-// in user_stacks (or -EFAULT/-EEXIST/-ENOMEM, as bpf_get_stackid() returns).
-//
-// Why not bpf_get_stackid(): the kernel's walker (perf_callchain_user) reads
-// frame after frame until a read faults or fp is 0, and glibc's start code
-// leaves argc in rbp below main's frame, so every walk of a main thread ended
-// by dereferencing a small integer: a page fault taken through the exception
-// tables, measured at ~0.75 us of a ~0.9 us walk. This walk is the same chain
-// (ip, then the return address of each frame) but stops, without touching
-// memory, at a frame pointer no frame can have: below the first page
-// (mmap_min_addr), not 8-byte aligned, or past the user address space.
-// 32-bit tasks go to the kernel's walker.
 // The top of a user stack from `sp` up, into `st->copy`: to the end of sp's
 // page, then the next page's start while it is mapped (a stack's top may be
 // the page above). False when paced out or nothing could be read.
@@ -489,6 +477,18 @@ static __always_inline bool copy_stack(struct ustack_scratch_t *st, u64 sp, u64 
     return true;
 }
 
+// The user stack of the current thread, by its frame-pointer chain, as an id
+// in user_stacks (or -EFAULT/-EEXIST/-ENOMEM, as bpf_get_stackid() returns).
+//
+// Why not bpf_get_stackid(): the kernel's walker (perf_callchain_user) reads
+// frame after frame until a read faults or fp is 0, and glibc's start code
+// leaves argc in rbp below main's frame, so every walk of a main thread ended
+// by dereferencing a small integer: a page fault taken through the exception
+// tables, measured at ~0.75 us of a ~0.9 us walk. This walk is the same chain
+// (ip, then the return address of each frame) but stops, without touching
+// memory, at a frame pointer no frame can have: below the first page
+// (mmap_min_addr), not 8-byte aligned, or past the user address space.
+// 32-bit tasks go to the kernel's walker.
 static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_rec *rec)
 {
     u32 zero = 0;
