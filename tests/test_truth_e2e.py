@@ -490,7 +490,10 @@ def test_forked_children_gone_within_a_millisecond_keep_their_names(workloads: A
             (cg / "cgroup.procs").write_text(str(os.getpid()))
 
         w = workloads("churn", "100", preexec=join)
-        snaps = offtop_json("-c", str(cg), "--limit", "0", count=4)
+        try:
+            snaps = offtop_json("-c", str(cg), "--limit", "0", count=4)
+        finally:
+            w.stop()  # before the cgroup is removed (it cannot be while in use)
     # From the second snapshot: a child forked before the probe noted forks and
     # reaped after it began recording (offtop's start, a millisecond's window)
     # has no note, and stays "gone" (README, Known limits): CI saw one, once.
