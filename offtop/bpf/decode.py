@@ -168,21 +168,17 @@ def new_user_stacks(records: list[bytes], *, depth: int = 0,
     for rec in records:
         low = int.from_bytes(rec[:4], "little")
         if low & USTACK_COPIED:
-            if not depth:
+            addrs = stack_addresses(rec[8: 8 + slots]) if depth else ()
+            if not addrs:
                 continue
-            frames = rec[8: 8 + slots]
-            end = 0
-            while end + 8 <= len(frames) and frames[end: end + 8] != b"\0" * 8:
-                end += 8
-            if end:
-                out.append((low & ~USTACK_COPIED, int.from_bytes(rec[4:8], "little"), frames[:end]))
+            sid, tgid = low & ~USTACK_COPIED, int.from_bytes(rec[4:8], "little")
+            out.append((sid, tgid, rec[8: 8 + 8 * len(addrs)]))
             head = 8 + slots
-            if copies is not None and end and len(rec) >= head + _COPY_HEAD.size:
+            if copies is not None and len(rec) >= head + _COPY_HEAD.size:
                 sp, bp, length = _COPY_HEAD.unpack_from(rec, head)
                 data = rec[head + _COPY_HEAD.size: head + _COPY_HEAD.size + min(length, STACK_COPY)]
                 if len(data) == length:
-                    copies.append(StackCopy(low & ~USTACK_COPIED, int.from_bytes(rec[4:8], "little"),
-                                            int.from_bytes(frames[:8], "little"), sp, bp, data))
+                    copies.append(StackCopy(sid, tgid, addrs[0], sp, bp, data))
             continue
         n = (len(rec) - 8) // 8
         if n > 0:

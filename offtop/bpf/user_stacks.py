@@ -245,9 +245,9 @@ class UserStackRepair:
             return 0
         maps = self._first_sight(pid, start, copy.pc)
         taught = self._taught.setdefault(pid, {})
-        walked = self._unwinder.unwind(pid, 0, copy.pc, copy.sp, copy.bp,
-                                       maps=self._maps(pid, copy.pc, start),
-                                       mem=CopiedStack(copy.sp, copy.data))
+        walked = self._unwinder.unwind(
+            pid, 0, copy.pc, copy.sp, copy.bp, mem=CopiedStack(copy.sp, copy.data),
+            maps=maps if maps is not None else self._maps(pid, copy.pc, start))
         before = self.stats.rules_taught
         for i, addr in enumerate(walked.addresses):
             if addr not in taught:
