@@ -521,11 +521,13 @@ def test_debian_pythons_forked_children_are_named_where_their_stacks_are_known(t
                                 text=True, preexec_fn=join)
         try:
             assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-            snaps = offtop_json("-c", str(cg), "--limit", "0", count=3)
+            snaps = offtop_json("-c", str(cg), "--limit", "0", count=4)
         finally:
             proc.kill()
             proc.wait(timeout=5)
-    children = _children_stacks(snaps, proc.pid)
+    # From the second snapshot, as for the churn test above: a child forked
+    # before the probe noted forks has no note (CI saw one beside a CPU hog).
+    children = _children_stacks(snaps[1:], proc.pid)
     blocks = sum(n for _, n in children)
     sleeping = [(user, n) for user, n in children if user[:1] == ["clock_nanosleep"]]
     assert blocks >= 50 and sum(n for _, n in sleeping) >= 0.9 * blocks, children
