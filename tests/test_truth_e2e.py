@@ -400,6 +400,44 @@ def test_twenty_thousand_distinct_stacks_keep_their_user_stacks(tmp_path: Path) 
     assert without / blocks < 0.01, (without, blocks)
 
 
+def test_a_new_process_is_seen_as_its_first_stacks_come_not_a_sub_tick_later(
+        tmp_path: Path) -> None:
+    """A second process of a program whose threads block at 400 sites at once. libc's
+    start_thread keeps no frame pointer: each walk ends there, cut, until the probe
+    has the rule the first process's stacks taught its program (`_teach_ahead`).
+    The engine sees the new process as its first stacks come (the stack ring wakes
+    its loop), not at the next sub-tick: here sub-ticks are 5 s apart, past the
+    2 s interval, so seen a sub-tick later every one of its stacks would end cut
+    (measured with the stack ring read only at sub-ticks: every block
+    `clock_nanosleep ← [stack truncated]`, libc's nanosleep taught no rule either)."""
+    from offtop.bpf.engine import BpfSource, EngineConfig
+    from offtop.model import Aggregator
+
+    binary = build(tmp_path, "many_stacks.c", "-O1", "-fno-omit-frame-pointer",
+                   "-fno-optimize-sibling-calls")
+    src = BpfSource(EngineConfig(threshold_ns=10**9, subtick_s=5.0),
+                    aggregator=Aggregator(max_stacks=500_000))
+    src.start()
+    try:
+        stop = threading.Event()
+        with running(str(binary), "400", "4", "1000000"):
+            for _ in range(3):  # the first process's stacks teach the program's sites
+                assert src.next_snapshot(1.0, stop) is not None
+            with running(str(binary), "400", "4", "1000000") as (second, _):
+                snap = src.next_snapshot(2.0, stop)
+    finally:
+        src.close()
+    assert snap is not None
+    mine = [st for st in snap.stacks if st.pid == second.pid and st.tid != second.pid]
+    blocks = sum(st.count for st in mine)
+    whole = sum(st.count for st in mine if st.user and st.user[-1].name != MARK_TRUNCATED
+                and any(f.name == "offtop_ms_a0" or f.name == "offtop_ms_b0" for f in st.user)
+                and any(f.name == "start_thread" for f in st.user))
+    assert blocks > 1_000, blocks
+    # Seen a sub-tick later: every block `clock_nanosleep ← [stack truncated]`.
+    assert whole >= 0.95 * blocks, (whole, blocks, [[f.name for f in st.user] for st in mine[:3]])
+
+
 def test_user_stacks_the_map_evicts_before_they_are_read_still_resolve(tmp_path: Path) -> None:
     # 400 distinct stacks through a user-stack map of 64 ids: the map's LRU
     # evicts each ~64 blocks after storing it (~35 ms here), long before the

@@ -193,6 +193,29 @@ def test_a_new_process_of_a_program_is_taught_the_sites_its_earlier_processes_ne
     assert repair.stats.rules_ahead == 2
 
 
+def test_a_new_process_seen_at_its_first_stack_is_taught_ahead_before_its_stacks_are_read() -> None:
+    """`see` (the engine calls it as the process's first stacks come, between sub-ticks)
+    teaches the program's sites at once: the next walks are whole before any of its
+    stacks is resolved. Once only per process; never for a process gone."""
+    probe = FakeProbe()
+    maps = {100: _program("/usr/bin/gzip", 0x1000, 0x7000),
+            200: _program("/usr/bin/gzip", 0x51000, 0x77000)}
+    repair = UserStackRepair(FakeUnwinder(), probe.teach,  # type: ignore[arg-type]
+                             maps=lambda pid, pc, start: maps[pid])
+    repair.repair(100, (0x7100, 0x1200, 0x2300), start=7)
+    assert repair.see(100, 7, 0x7100) is False  # seen already, when it was repaired
+    assert repair.see(200, 0, 0x77100) is False  # gone: nobody to teach
+    assert not {pc for pid, pc in probe.rules if pid == 200}
+    assert repair.see(200, 9, 0x77100) is True
+    assert {pc for pid, pc in probe.rules if pid == 200} == {0x77100, 0x51200, 0x52300}
+    assert repair.stats.rules_ahead == 3
+    assert repair.see(200, 9, 0x77100) is False
+    before = dict(probe.rules)
+    out, cut = repair.repair(200, (0x77100, 0x51200), start=9)  # its first stack, read now
+    assert (out, cut) == ((0x77100, 0x51200), False)
+    assert probe.rules == before and repair.stats.rules_ahead == 3  # nothing again
+
+
 def test_rules_taught_ahead_leave_half_the_budget_to_rules_that_are_needed() -> None:
     probe = FakeProbe()
     maps = {100: _program("/usr/bin/gzip", 0x1000, 0x7000),

@@ -61,6 +61,9 @@ class EngineConfig:
     #: CPU up to 8 CPUs, then 2 MiB (32 KiB at least).
     new_stack_pages: int = 64
     new_stack_pages_total: int = 512
+    #: New user stacks per CPU that wake the interval loop between sub-ticks, so that
+    #: a new process is seen (its unwinding rules taught) within milliseconds.
+    new_stack_wakeup: int = 32
     wakeup_events: int = 64
     subtick_s: float = 0.25
     #: The kernel's sums are read at most this far apart, and at each snapshot's

@@ -38,6 +38,7 @@ from offtop.bpf.decode import (
     StackCopy,
     decode_comm,
     new_user_stacks,
+    record_addresses,
     state_name,
 )
 from offtop.bpf.flood import FloodControl
@@ -268,12 +269,15 @@ class BpfSource:
                 self.probe.set_perf_fd, wakeup_events=cfg.wakeup_events,
                 pages=ring_pages(cfg.perf_pages, cfg.perf_pages_total, cpus, least=16))
             if cfg.user_stacks and self.probe.has_map(NEW_USER_STACKS):
-                # Drained at each sub-tick, never waited on: no wakeups wanted.
+                # Drained at each sub-tick, and between them when a batch of new
+                # stacks wakes the interval loop (`_read_new_stacks`: a new
+                # process is seen at once).
                 self._stack_ring = PerfRing(
                     functools.partial(self.probe.set_perf_fd, ring=NEW_USER_STACKS),
                     pages=ring_pages(cfg.new_stack_pages, cfg.new_stack_pages_total, cpus,
                                      least=8),
-                    wakeup_events=1 << 30)
+                    wakeup_events=cfg.new_stack_wakeup)
+                self._ring.wake_on(self._stack_ring)
             # The program records nothing until its maps are set and every
             # CPU's ring is in place (else its first events would fail).
             self.probe.arm()
@@ -355,6 +359,7 @@ class BpfSource:
             # spent a quarter of its CPU on waking up.
             self._ring.wait(max(0.0, min(end - now, self._next_subtick - now)))
             self._read_ring()
+            self._read_new_stacks(see=True)
         if stop.is_set():
             return None
         self._subtick(self._clock(), last=True)
@@ -451,8 +456,13 @@ class BpfSource:
         self._events_total += len(raw)
         raw.clear()
 
-    def _read_new_stacks(self) -> None:
-        """Hand the user stacks the probe stored since the last call to the stack store."""
+    def _read_new_stacks(self, *, see: bool = False) -> None:
+        """Hand the user stacks the probe stored since the last call to the stack store.
+
+        `see`: between sub-ticks, woken by the stack ring (its `wakeup_events`),
+        the processes whose first stacks these are are seen at once
+        (`StackStore.see_processes`): their program's unwinding rules taught
+        before their threads block again, not a sub-tick later."""
         ring = self._stack_ring
         stacks = self.frames.stacks
         if ring is None or stacks is None:
@@ -468,6 +478,11 @@ class BpfSource:
                 self._new_stacks.extend([(tgid, sid) for sid, tgid, _raw in new])
             if copies:
                 stacks.offer_copies(copies)
+            if see and not self.frames.gave_up():
+                firsts = {tgid: raw for _sid, tgid, raw in new if raw}
+                stacks.see_processes({tgid: record_addresses(raw)[0]
+                                      for tgid, raw in firsts.items()},
+                                     self.frames.start_of)
 
     def _resolve_new_stacks(self, deadline: float) -> None:
         """Resolve the new user stacks waiting (`_new_stacks`) until the next sub-tick.

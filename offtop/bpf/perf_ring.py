@@ -195,6 +195,11 @@ class PerfRing:
                     os.eventfd_read(fd)  # taken: the next wait sleeps again
         return bool(ready)
 
+    def wake_on(self, other: PerfRing) -> None:
+        """Let `other`'s batches end this ring's `wait` too (one loop waits on both)."""
+        for r in other._rings:
+            self._epoll.register(r.fd, select.EPOLLIN)
+
     def wake(self) -> None:
         """End the `wait` under way, or else the next one, at once. Callable from any
         thread or a signal handler (one write to an eventfd)."""

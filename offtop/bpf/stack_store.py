@@ -187,6 +187,15 @@ class StackStore:
             for sid in list(itertools.islice(fresh, len(fresh) - self.FRESH_MAX // 2)):
                 del fresh[sid]
 
+    def see_processes(self, firsts: dict[int, int], start_of: Callable[[int], int]) -> int:
+        """Processes whose new stacks just came, {tgid: top address of one}: each
+        one not seen before is seen by the repair now (`UserStackRepair.see`).
+        How many were new."""
+        if self._repair is None:
+            return 0
+        see = self._repair.see
+        return sum(see(pid, start, pc) for pid, pc in firsts.items() if (start := start_of(pid)))
+
     def offer_copies(self, copies: list[StackCopy]) -> None:
         """Copies of new stacks' tops the probe sent (offcpu.c copy_stack), kept by id
         until the stack is resolved: where the repair cuts it, the rules its whole

@@ -235,6 +235,20 @@ class UserStackRepair:
             self._teach_ahead(pid, taught, maps)
         return out, cut
 
+    def see(self, pid: int, start: int, pc: int) -> bool:
+        """A process's first stack has just come (`pc` its top; `start` its start time,
+        0: gone): at its first sight, the rules its program's earlier processes
+        needed are taught now, before its threads' next walks, not when its
+        stacks are resolved. A new process's threads block at once, each at a site
+        of its own: taught a sub-tick later (0.25 s), most of their first walks
+        had ended at libc's start_thread, each a `[stack truncated]` stack, then
+        resolved again whole. True at a first sight."""
+        maps = self._first_sight(pid, start, pc)
+        if maps is None:
+            return False
+        self._teach_ahead(pid, self._taught.setdefault(pid, {}), maps)
+        return True
+
     def learn_from_copy(self, pid: int, start: int, copy: StackCopy) -> int:
         """Teach the probe every rule a stack needs, from the copy of its top the probe
         sent with it (its walk ended on a broken rbp chain): unwound here with the
