@@ -529,13 +529,13 @@ class UserSymbols:
         p = self._proc(other, start)
         return (other, p) if p is not None else None
 
-    def stand_in_for(self, pid: int) -> int | None:
-        """The process a gone one's addresses are resolved in (`stand_in`), if its own
-        map is not known here; None if it is, or there is none."""
+    def stand_in_for(self, pid: int) -> tuple[int, int] | None:
+        """(pid, start time) of the process a gone one's addresses are resolved in
+        (`stand_in`), if its own map is not known here; None if it is, or there is none."""
         if pid in self._procs:
             return None
         stood = self._stood_in(pid)
-        return stood[0] if stood is not None else None
+        return (stood[0], stood[1].start) if stood is not None else None
 
     def file_mappings(self, pid: int, addr: int, start: int | None = None) -> list[Mapping]:
         """The process's executable file mappings, for unwinding near `addr`: the

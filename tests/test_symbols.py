@@ -187,7 +187,7 @@ def test_a_process_gone_before_first_sight_resolves_in_its_stand_in() -> None:
     assert u.stood_in == 1
     (libc,) = [m for m in u.file_mappings(4242, getpid) if m.start <= getpid < m.end]
     assert f"/proc/{me}/" in libc.handle
-    assert u.stand_in_for(4242) == me and u.stand_in_for(me) is None  # its own map is known
+    assert u.stand_in_for(4242) == (me, mine) and u.stand_in_for(me) is None  # its own map is known
     # No stand-in known (or none alive): marked, as before.
     assert [f.name for f in u.resolve_stack(4343, [getpid + 1])] == [MARK_PROCESS_GONE]
     # An answer holds for a second (REREAD_S): asked again and again while a

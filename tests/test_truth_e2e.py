@@ -541,13 +541,22 @@ def test_forked_children_gone_within_a_millisecond_keep_their_names(workloads: A
     gone = sum(n for user, n in children if MARK_PROCESS_GONE in user)
     assert blocks >= 100, children
     assert gone == 0 and named >= 0.95 * blocks, children
+    # Whole: each child walked by its parent's unwinding rules (offcpu.c
+    # rules_owner), libc's start code included (before: cut there, `main ←
+    # __libc_start_call_main ← [stack truncated]`, a child having no rules).
+    whole = sum(n for user, n in children if user[-2:] == ["__libc_start_main", "_start"])
+    assert whole >= 0.95 * blocks, children
 
 
 def test_debian_pythons_forked_children_are_named_where_their_stacks_are_known(tmp_path: Path) -> None:
     # Debian's python3 (no frame pointers) forks children that sleep 2 ms and
-    # exit. Their first frame is named in the parent's map; the probe has no
-    # unwinding rules for a process that lived 2 ms, so where the walk stops
-    # early the stack is marked cut, never shown as if whole.
+    # exit. Their first frame is named in the parent's map. A child walks by its
+    # parent's unwinding rules until offtop has seen it (offcpu.c rules_owner),
+    # and the frames only children reach are taught to the parent as their
+    # stacks are checked, a frame a check at first: within a few intervals the
+    # children's stacks are whole (before, each was `clock_nanosleep ←
+    # [stack truncated]`: a process that lived 2 ms had no rules). Where the
+    # walk stops early the stack is marked cut, never shown as if whole.
     script = ("import os, sys, time\nprint('ready', flush=True)\nwhile True:\n"
               "    pid = os.fork()\n    if pid == 0:\n        time.sleep(0.002)\n        os._exit(0)\n"
               "    os.waitpid(pid, 0)\n    time.sleep(0.01)\n")
@@ -559,7 +568,7 @@ def test_debian_pythons_forked_children_are_named_where_their_stacks_are_known(t
                                 text=True, preexec_fn=join)
         try:
             assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-            snaps = offtop_json("-c", str(cg), "--limit", "0", count=4)
+            snaps = offtop_json("-c", str(cg), "--limit", "0", count=6)
         finally:
             proc.kill()
             proc.wait(timeout=5)
@@ -574,6 +583,11 @@ def test_debian_pythons_forked_children_are_named_where_their_stacks_are_known(t
         # libc's clock_nanosleep keeps no frame pointer: a walk that stopped at
         # it stopped early, and says so.
         assert len(user) > 1 and (user[-1] == MARK_TRUNCATED or "_start" in user[-1]), user
+    # The last two snapshots: whole, down to the interpreter's main and libc's start.
+    late = [(user, n) for user, n in _children_stacks(snaps[-2:], proc.pid)
+            if user[:1] == ["clock_nanosleep"]]
+    whole = sum(n for user, n in late if user[-1] == "_start" and "Py_BytesMain" in user)
+    assert whole >= 0.9 * sum(n for _, n in late) > 0, late
 
 
 def test_the_probe_notes_who_forked_whom_and_who_exec_d() -> None:
@@ -600,6 +614,12 @@ def test_the_probe_notes_who_forked_whom_and_who_exec_d() -> None:
         # Alive, each is its own; here, as if gone, who stands in for it.
         assert lineage.stand_in(forked) == (os.getpid(), task_start_time(os.getpid()))
         assert lineage.stand_in(spawned.pid) is None  # another program since its exec
+        # Until offtop has seen it, the forked child walks by our rules; the exec'd
+        # one by its own (its memory is another program's).
+        probe = src.probe
+        assert probe.rule_owner(forked) == os.getpid() and probe.rule_owner(spawned.pid) is None
+        probe.forget_rule_owners({os.getpid()})
+        assert probe.rule_owner(forked) is None
         os.waitpid(forked, 0)
         spawned.wait(timeout=5)
     finally:

@@ -216,6 +216,48 @@ def test_a_new_process_seen_at_its_first_stack_is_taught_ahead_before_its_stacks
     assert probe.rules == before and repair.stats.rules_ahead == 3  # nothing again
 
 
+class FakeOwners:
+    """A fake of the probe's rules_owner map: who walks by its own rules now, and
+    the owners forgotten."""
+
+    def __init__(self) -> None:
+        self.own: list[int] = []
+        self.forgotten: list[set[int]] = []
+
+    def own_rules(self, pid: int) -> None:
+        self.own.append(pid)
+
+    def forget_rule_owners(self, pids: set[int]) -> None:
+        self.forgotten.append(set(pids))
+
+
+def test_a_forked_process_teaches_the_one_it_was_forked_from_the_sites_only_it_reached() -> None:
+    """Until offtop sees it, a forked process walks by its forker's rules (offcpu.c
+    rules_owner): a site only forked processes reach (a child's own code path) is
+    taught to the forker as well as to the child, so that its next children's
+    walks get past it. Once seen, the child walks by its own rules; once the
+    forker is gone, nobody walks by its rules any more."""
+    probe, owners = FakeProbe(), FakeOwners()
+    lenders = {200: (100, 7), 300: None}
+    repair = UserStackRepair(FakeUnwinder(), probe.teach, forget=probe.forget,  # type: ignore[arg-type]
+                             maps=lambda pid, pc, start: [ExecMapping(0x1000, 0x3000, 0, "/bin/x", "")],
+                             owners=owners, lender=lenders.get)
+    repair.repair(100, (0x1100, 0x1200), start=7)
+    assert owners.own == [100]
+    repair.repair(200, (0x1100, 0x1300, 0x1200), start=9)  # 0x1300: the child's own site
+    assert owners.own == [100, 200]
+    assert {pc for pid, pc in probe.rules if pid == 200} == {0x1100, 0x1300, 0x1200}
+    assert {pc for pid, pc in probe.rules if pid == 100} == {0x1100, 0x1200, 0x1300}
+    repair.repair(300, (0x1100, 0x1400), start=11)  # not forked from one alive: its own
+    assert (100, 0x1400) not in probe.rules
+    repair.sweep({200: 9, 300: 11}.get)  # 100 is gone
+    assert owners.forgotten == [{100}]
+    # A lender not seen (or seen under another start time) is taught nothing.
+    lenders[400] = (100, 8)
+    repair.repair(400, (0x1100, 0x1500), start=13)
+    assert not any(pid == 100 for pid, _ in probe.rules)
+
+
 def test_rules_taught_ahead_leave_half_the_budget_to_rules_that_are_needed() -> None:
     probe = FakeProbe()
     maps = {100: _program("/usr/bin/gzip", 0x1000, 0x7000),

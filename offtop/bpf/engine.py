@@ -44,7 +44,7 @@ from offtop.bpf.decode import (
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.lineage import Lineage
 from offtop.bpf.perf_ring import PerfRing, make_room_for_files, online_cpus, ring_pages
-from offtop.bpf.probe import LINEAGE, Drained, Probe, RawRow, RawSums, agg_key
+from offtop.bpf.probe import LINEAGE, RULES_OWNER, Drained, Probe, RawRow, RawSums, agg_key
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import PythonFrames
 from offtop.bpf.row_frames import Resolved, RowFrames
@@ -295,8 +295,10 @@ class BpfSource:
         if cfg.user_stacks:
             unwinder = self._unwinder = Unwinder()
             assert self._usyms is not None
+            lineage = Lineage(self.probe.forked)
             if self.probe.has_map(LINEAGE):
-                self._usyms.stand_in = Lineage(self.probe.forked).stand_in
+                self._usyms.stand_in = lineage.stand_in
+            owners = self.probe if self.probe.has_map(RULES_OWNER) else None
             self.frames.unwound = UnwoundStacks(unwinder, self._usyms, clock=self._clock,
                                                saved=self.probe.user_regs)
             if cfg.python_stacks:
@@ -304,7 +306,8 @@ class BpfSource:
                                                   budget_s=cfg.python_budget_s)
             repair = UserStackRepair(unwinder, self.probe.set_unwind_rule,
                                      forget=self.probe.forget_unwind_rules,
-                                     maps=self._usyms.file_mappings, max_rules=cfg.unwind_rules)
+                                     maps=self._usyms.file_mappings, max_rules=cfg.unwind_rules,
+                                     owners=owners, lender=lineage.stand_in if owners else None)
         self.frames.stacks = StackStore(
             self.probe, kernel_symbols=self._ksyms, user_symbols=self._usyms, repair=repair,
             capacity={"k": cfg.stack_entries, "u": cfg.ustack_entries},

@@ -266,6 +266,15 @@ struct rule_key {
 #define RULE_FP 4           // no usable rule: take a frame-pointer step
 #define RULE_BP_SAME 0x7fff // rbp keeps its value in the caller
 BPF_TABLE("lru_hash", struct rule_key, u64, unwind_rules, 65536);
+// A process forked (and not exec'd since) that offtop has not seen yet walks by
+// the rules of the process it was forked from: its memory is a copy of that
+// one's. Written at the fork (sched_process_fork: the forker's own owner if it
+// has one), deleted at exec and by Python once it has taught the process rules
+// of its own, or once the owner is gone (its pid may come back as another
+// process). One lookup a walk, of a map that holds only such processes (and,
+// until reused or evicted, the threads created since: the tracepoint does not
+// tell a thread from a process).
+BPF_TABLE("lru_hash", u32, u32, rules_owner, 8192);
 // Bit 63 (never set in a user address) marks a frame reached along the rbp
 // chain rather than by a rule: Python keeps it only if the frame below it
 // keeps rbp as its frame base.
@@ -525,7 +534,8 @@ static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_re
         n = 1;
         u64 pc = ip_cs[0], sp = ip_cs[3], bp = fp;
         struct rule_key rk = {};
-        rk.tgid = tgid;
+        u32 *owner = rules_owner.lookup(&tgid);
+        rk.tgid = owner ? *owner : tgid;
         for (u32 i = 1; i < OFFTOP_USTACK_DEPTH; i++) {
             rk.pc = pc;
             u64 *rule = unwind_rules.lookup(&rk);
@@ -1051,11 +1061,19 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
     l.parent = bpf_get_current_pid_tgid() >> 32;
     l.fork_ns = bpf_ktime_get_boot_ns();
     lineage.update(&child, &l);
+#if defined(__x86_64__)
+    u32 *up = rules_owner.lookup(&l.parent);
+    u32 owner = up ? *up : l.parent;
+    rules_owner.update(&child, &owner);
+#endif
     return 0;
 }
 
 static __always_inline void note_exec(u32 tgid)
 {
+#if defined(__x86_64__)
+    rules_owner.delete(&tgid);  // another program's memory from here
+#endif
     u64 now = bpf_ktime_get_boot_ns();
     struct lineage_t *l = lineage.lookup(&tgid);
     if (l) {

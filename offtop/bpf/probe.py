@@ -49,6 +49,8 @@ from offtop.bpf.task_regs import ITERATOR, TaskRegisters, UserRegs
 PROBE_FUNCTION = "tracepoint__sched__sched_switch"
 #: offcpu.c's notes of who forked whom (offtop.bpf.lineage); with user stacks only.
 LINEAGE = "lineage"
+#: offcpu.c's map of forked processes not seen yet: they walk by their forker's rules.
+RULES_OWNER = "rules_owner"
 #: Attached by hand, after the sched_waking probe bcc's naming rule attaches (offcpu.c).
 WAKING_FUNCTION = "on_sched_waking"
 
@@ -312,6 +314,23 @@ class Probe:
         come back); how many were there (the LRU may have dropped some)."""
         return self._map("unwind_rules").delete_many(
             [_RULE_KEY.pack(tgid, 0, pc) for tgid, pc in rules])
+
+    def own_rules(self, pid: int) -> None:
+        """Process `pid` has been taught rules of its own: it no longer walks by those
+        of the process it was forked from (offcpu.c rules_owner)."""
+        self._map(RULES_OWNER).delete(_U32.pack(pid))
+
+    def rule_owner(self, pid: int) -> int | None:
+        """Whose rules process `pid` walks by, if not its own (None)."""
+        raw = self._map(RULES_OWNER).lookup(_U32.pack(pid))
+        return None if raw is None else _U32.unpack(raw)[0]
+
+    def forget_rule_owners(self, pids: set[int]) -> None:
+        """These processes are gone: no process walks by their rules any more (their
+        pids may come back as other processes, taught rules of their own)."""
+        table = self._map(RULES_OWNER)
+        table.delete_many([k for k, v in table.items()
+                           if _U32.unpack(v)[0] in pids or _U32.unpack(k)[0] in pids])
 
     def forked(self, pid: int) -> Forked | None:
         """The probe's note of which process `pid` was forked from, when, and when it

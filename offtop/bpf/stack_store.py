@@ -260,13 +260,18 @@ class StackStore:
         if self._repair is not None:
             # A process gone before its first sight is checked by the rules of
             # the one it was forked from (offtop.bpf.lineage): worked out there
-            # once, not once per process of a churn.
-            checked = (self.user_symbols.stand_in_for(pid) or pid) if not start else pid
-            addrs, cut = self._repair.repair(checked, addrs, start if checked == pid else 0,
-                                             at_limit=at_limit)
+            # once, not once per process of a churn. What that one lacks is
+            # taught to it: the next processes it forks walk by its rules
+            # (offcpu.c rules_owner), in the same memory.
+            checked, checked_start = pid, start
+            if not start:
+                checked, checked_start = self.user_symbols.stand_in_for(pid) or (pid, 0)
+            # A gone process's copy is unwound in the memory map of the one it
+            # was forked from, which learns the rules: the same memory.
             copy = self._copies.pop(sid, None)
-            if cut and copy is not None and copy.tgid == pid:
-                self._repair.learn_from_copy(pid, start, copy)
+            addrs, cut = self._repair.repair(
+                checked, addrs, checked_start, at_limit=at_limit,
+                copy=copy if copy is not None and copy.tgid == pid else None)
         if deadline is not None and time.monotonic() > deadline:
             self.stats.symbol_deadline_misses += 1
         frames = self.user_symbols.resolve_stack(pid, addrs, deadline=deadline, start=start)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from offtop.bpf.decode import FP_FRAME_TAG, StackCopy
 from offtop.unwind import Unwinder
@@ -141,6 +142,18 @@ def program_of(maps: Sequence[FileMapping]) -> str | None:
     return maps[0].path if maps else None
 
 
+class RuleOwners(Protocol):
+    """Whose rules a forked process not seen yet walks by (`offtop.bpf.probe.Probe`)."""
+
+    def own_rules(self, pid: int) -> None:
+        """`pid` walks by its own rules from now."""
+        ...
+
+    def forget_rule_owners(self, pids: set[int]) -> None:
+        """No process walks by the rules of `pids` (gone) any more."""
+        ...
+
+
 class UserStackRepair:
     """Checks probe user stacks and teaches the probe rules (see the module docstring).
 
@@ -165,10 +178,17 @@ class UserStackRepair:
         forget: Callable[[Iterable[tuple[int, int]]], object] = lambda rules: None,
         maps: Callable[[int, int, int], Sequence[FileMapping]],
         max_rules: int = 65_536,
+        owners: RuleOwners | None = None,
+        lender: Callable[[int], tuple[int, int] | None] | None = None,
     ) -> None:
         self._unwinder = unwinder
         self._teach = teach
         self._forget = forget
+        self._owners = owners
+        # pid -> (pid, start) of the process it was forked from, alive, whose memory
+        # it still shares (`lender`: offtop.bpf.lineage's stand_in), or None.
+        self._lender = lender
+        self._lenders: dict[int, tuple[int, int] | None] = {}
         self._max_rules = max_rules
         self._maps = maps
         self._taught: dict[int, dict[int, int]] = {}  # pid -> pc -> the rule taught, packed
@@ -200,9 +220,12 @@ class UserStackRepair:
             rules += [(pid, pc) for pc in taught]
             self._starts.pop(pid, None)
             self._programs.pop(pid, None)
+            self._lenders.pop(pid, None)
             self._keeps_count -= len(self._keeps_fp.pop(pid, ()))
         if rules:
             self._forget(rules)
+        if pids and self._owners is not None:
+            self._owners.forget_rule_owners(pids)
 
     def sweep(self, start_time: Callable[[int], int | None]) -> None:
         """Forget the processes gone since they were taught (`start_time`: now, None if gone)."""
@@ -216,23 +239,31 @@ class UserStackRepair:
         return self._unwinder.rule_for(pid, addr, exact=first, maps=maps)
 
     def repair(self, pid: int, addrs: tuple[int, ...], start: int = 0, *,
-               at_limit: bool = False) -> tuple[tuple[int, ...], bool]:
+               at_limit: bool = False, copy: StackCopy | None = None
+               ) -> tuple[tuple[int, ...], bool]:
         """(the trusted addresses, tags removed; True when frames were cut).
 
         `start`: the process's start time (0: unknown, the process is gone:
         nothing is taught). A pid taught before under another start time is
         another process now: the old one's rules go first. `at_limit`: the walk
         stopped at the probe's depth limit (its end says nothing of the stack's).
+        `copy`: the copy of the stack's top the probe sent with it: where the
+        stack is cut, every rule it needs is learned from it (`learn_from_copy`)
+        before any is taught pc by pc (a walk between the two stored a version
+        of the stack a frame longer: a first gzip showed three, not two).
         """
         if not addrs:
             return addrs, False
         maps = self._first_sight(pid, start, addrs[0])
         # None: the process is gone, there is nobody to teach.
         taught = self._taught.setdefault(pid, {}) if start else None
+        if (copy is not None and taught is not None
+                and self._check(pid, addrs, None, at_limit, count=False)[1]):
+            self.learn_from_copy(pid, start, copy)
         out, cut = self._check(pid, addrs, taught, at_limit)
         if maps is not None and taught is not None:
             # After the check: the walk had none of these rules.
-            self._teach_ahead(pid, taught, maps)
+            self._seen(pid, taught, maps)
         return out, cut
 
     def see(self, pid: int, start: int, pc: int) -> bool:
@@ -246,7 +277,7 @@ class UserStackRepair:
         maps = self._first_sight(pid, start, pc)
         if maps is None:
             return False
-        self._teach_ahead(pid, self._taught.setdefault(pid, {}), maps)
+        self._seen(pid, self._taught.setdefault(pid, {}), maps)
         return True
 
     def learn_from_copy(self, pid: int, start: int, copy: StackCopy) -> int:
@@ -268,7 +299,7 @@ class UserStackRepair:
                 self._learn(pid, taught, addr, i == 0)
         self.stats.copies_learned += 1
         if maps is not None:
-            self._teach_ahead(pid, taught, maps)
+            self._seen(pid, taught, maps)
         return self.stats.rules_taught - before
 
     def _first_sight(self, pid: int, start: int, pc: int) -> Sequence[FileMapping] | None:
@@ -282,11 +313,14 @@ class UserStackRepair:
         self._starts[pid] = start
         maps = self._maps(pid, pc, start)
         self._programs[pid] = program_of(maps)
+        if self._lender is not None:
+            self._lenders[pid] = self._lender(pid)
         return maps
 
     def _check(self, pid: int, addrs: tuple[int, ...], taught: dict[int, int] | None,
-               at_limit: bool) -> tuple[tuple[int, ...], bool]:
-        """`repair`'s answer; rules for the pcs not taught yet are taught."""
+               at_limit: bool, *, count: bool = True) -> tuple[tuple[int, ...], bool]:
+        """`repair`'s answer; rules for the pcs not taught yet are taught (none without
+        `taught`). `count`: a cut is counted in the stats."""
         out = [addrs[0]]
         if taught is not None and addrs[0] not in taught:
             self._learn(pid, taught, addrs[0], True)
@@ -294,7 +328,7 @@ class UserStackRepair:
             if addr & FP_FRAME_TAG:
                 addr &= ~FP_FRAME_TAG
                 if not self._keeps_frame_pointer(pid, out[-1], len(out) == 1):
-                    self.stats.cut += 1
+                    self.stats.cut += count
                     return tuple(out), True
             out.append(addr)
             if taught is not None and addr not in taught:
@@ -315,7 +349,7 @@ class UserStackRepair:
             # stack walked before a rule taught since is read after it), or it
             # had one and could not read the return address. Cut, so that it is
             # marked, not shown as if whole.
-            self.stats.cut += 1
+            self.stats.cut += count
             return tuple(out), True
         return tuple(out), False
 
@@ -332,6 +366,13 @@ class UserStackRepair:
             self._keeps_fp.setdefault(pid, {})[(addr, first)] = keeps
             self._keeps_count += 1
         return keeps
+
+    def _seen(self, pid: int, taught: dict[int, int], maps: Sequence[FileMapping]) -> None:
+        """A process seen for the first time, alive: taught ahead, then walked by its
+        own rules from here (until now, if it was forked, by its forker's)."""
+        self._teach_ahead(pid, taught, maps)
+        if self._owners is not None:
+            self._owners.own_rules(pid)
 
     def _teach_ahead(self, pid: int, taught: dict[int, int],
                      maps: Sequence[FileMapping]) -> None:
@@ -364,4 +405,12 @@ class UserStackRepair:
         program = self._programs.get(pid)
         if note and program is not None:
             self.sites.add(program, maps, addr, first)
+        lender = self._lenders.get(pid) if note else None
+        if lender is not None and self._starts.get(lender[0]) == lender[1]:
+            # Forked and not exec'd: the same memory as the one it was forked from,
+            # whose next children walk by its rules (RuleOwners) from their first
+            # block: a site only children reach is taught there too.
+            theirs = self._taught.setdefault(lender[0], {})
+            if addr not in theirs:
+                self._learn(lender[0], theirs, addr, first)
         return rule
