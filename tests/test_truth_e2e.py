@@ -618,6 +618,7 @@ def test_the_probe_notes_who_forked_whom_and_who_exec_d() -> None:
         # one by its own (its memory is another program's).
         probe = src.probe
         assert probe.rule_owner(forked) == os.getpid() and probe.rule_owner(spawned.pid) is None
+        assert os.getpid() in probe.rule_owners()
         probe.forget_rule_owners({os.getpid()})
         assert probe.rule_owner(forked) is None
         os.waitpid(forked, 0)

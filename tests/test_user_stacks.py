@@ -230,6 +230,9 @@ class FakeOwners:
     def forget_rule_owners(self, pids: set[int]) -> None:
         self.forgotten.append(set(pids))
 
+    def rule_owners(self) -> set[int]:
+        return {100, 500}  # 500: a forker never taught (it never blocked)
+
 
 def test_a_forked_process_teaches_the_one_it_was_forked_from_the_sites_only_it_reached() -> None:
     """Until offtop sees it, a forked process walks by its forker's rules (offcpu.c
@@ -250,8 +253,8 @@ def test_a_forked_process_teaches_the_one_it_was_forked_from_the_sites_only_it_r
     assert {pc for pid, pc in probe.rules if pid == 100} == {0x1100, 0x1200, 0x1300}
     repair.repair(300, (0x1100, 0x1400), start=11)  # not forked from one alive: its own
     assert (100, 0x1400) not in probe.rules
-    repair.sweep({200: 9, 300: 11}.get)  # 100 is gone
-    assert owners.forgotten == [{100}]
+    repair.sweep({200: 9, 300: 11}.get)  # 100 is gone, and 500
+    assert owners.forgotten == [{100}, {100, 500}]
     # A lender not seen (or seen under another start time) is taught nothing.
     lenders[400] = (100, 8)
     repair.repair(400, (0x1100, 0x1500), start=13)

@@ -325,6 +325,10 @@ class Probe:
         raw = self._map(RULES_OWNER).lookup(_U32.pack(pid))
         return None if raw is None else _U32.unpack(raw)[0]
 
+    def rule_owners(self) -> set[int]:
+        """Every process some process walks by the rules of (offcpu.c rules_owner)."""
+        return {_U32.unpack(v)[0] for _k, v in self._map(RULES_OWNER).items()}
+
     def forget_rule_owners(self, pids: set[int]) -> None:
         """These processes are gone: no process walks by their rules any more (their
         pids may come back as other processes, taught rules of their own)."""

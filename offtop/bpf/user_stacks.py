@@ -153,6 +153,10 @@ class RuleOwners(Protocol):
         """No process walks by the rules of `pids` (gone) any more."""
         ...
 
+    def rule_owners(self) -> set[int]:
+        """Every process some process walks by the rules of."""
+        ...
+
 
 class UserStackRepair:
     """Checks probe user stacks and teaches the probe rules (see the module docstring).
@@ -228,9 +232,16 @@ class UserStackRepair:
             self._owners.forget_rule_owners(pids)
 
     def sweep(self, start_time: Callable[[int], int | None]) -> None:
-        """Forget the processes gone since they were taught (`start_time`: now, None if gone)."""
+        """Forget the processes gone since they were taught (`start_time`: now, None if
+        gone), and those gone that processes forked from them walk by, taught or not
+        (one that never blocked has no rules here: its pid, taken by another
+        process, would lend that one's)."""
         self.forget_processes({pid for pid in self._taught
                                if start_time(pid) != self._starts.get(pid)})
+        if self._owners is not None:
+            gone = {pid for pid in self._owners.rule_owners() if start_time(pid) is None}
+            if gone:
+                self._owners.forget_rule_owners(gone)
 
     def _rule(self, pid: int, addr: int, first: bool,
               maps: Sequence[FileMapping] | None = None) -> Rule | None:
