@@ -655,7 +655,7 @@ class UserSymbols:
         """
         m = self._mapping(pid, p, look, deadline)
         if m is not None and m.handle:
-            return self._file_frame(p, m, addr, look, deadline)
+            return self._file_frame(pid, p, m, addr, look, deadline)
         name, settled = self._jit_name(pid, p, look, deadline) if jit else (None, False)
         if name is not None:
             return Frame(name=name, module=JIT_MODULE, kernel=False), True
@@ -675,7 +675,7 @@ class UserSymbols:
             self.misses += 1
         return frame, settled
 
-    def _file_frame(self, p: _Proc, m: Mapping, addr: int, look: int,
+    def _file_frame(self, pid: int, p: _Proc, m: Mapping, addr: int, look: int,
                     deadline: float | None) -> tuple[Frame, bool]:
         # ElfCache answers a table or the cause there is none; None is taken
         # as "unreadable" too, from caches that keep no causes.
@@ -693,6 +693,12 @@ class UserSymbols:
             syms = self.elf.get(m.handle, deadline=deadline)
             if isinstance(syms, ElfSymbols):
                 p.tables[m.start] = (now, syms)
+        if (syms is None or isinstance(syms, str)) and p.dead_since is None \
+                and self._start_time(pid) != p.start:
+            # Gone since it was last asked about (its rows are read after it
+            # ended, under the start time it had): a process seen alive for a
+            # few milliseconds (an exec'd `sleep 0.01`) was `libc.so.6+0x…`.
+            p.dead_since = now
         if (syms is None or isinstance(syms, str)) and p.dead_since is not None \
                 and not m.path.endswith(" (deleted)"):
             syms = self.elf.get(m.path, deadline=deadline)  # map_files are gone with the process

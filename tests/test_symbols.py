@@ -172,6 +172,33 @@ def test_a_process_gone_before_first_sight_gives_a_marked_empty_stack() -> None:
     assert u.resolve_stack(4242, []) == ()
 
 
+def test_a_process_seen_alive_then_gone_is_named_from_its_files_paths() -> None:
+    """A process whose maps were read while it lived (an exec'd `sleep` seen within
+    milliseconds) and whose stack is read after it ended, under the start time it had:
+    its map_files links are gone with it, so its files are found by path, as for one
+    known gone (it was `libc.so.6+0x…` once its map_files could not be read)."""
+    getpid = _addr(LIBC.getpid)
+    (ours,) = [m for m in read_maps(os.getpid()) if m.start <= getpid < m.end]
+    child = subprocess.Popen(["/usr/bin/sleep", "5"])
+    try:
+        for _ in range(100):  # until it has exec'd and mapped libc
+            theirs = [m for m in read_maps(child.pid)
+                      if m.path == ours.path and m.offset == ours.offset]
+            if theirs:
+                break
+            time.sleep(0.02)
+        start = task_start_time(child.pid)
+        u = UserSymbols()
+        u.see(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert theirs and start
+    addr = getpid - ours.start + theirs[0].start
+    frames = u.resolve_stack(child.pid, [addr], start=start)
+    assert frames[0].name in ("getpid", "__getpid") and frames[0].module == "libc.so.6", frames
+
+
 def test_a_process_gone_before_first_sight_resolves_in_its_stand_in() -> None:
     # A process forked from this one (offtop.bpf.lineage), gone before its
     # first sight: its addresses are this one's, named in this one's map.
