@@ -617,10 +617,10 @@ def test_the_probe_notes_who_forked_whom_and_who_exec_d() -> None:
         # Until offtop has seen it, the forked child walks by our rules; the exec'd
         # one by its own (its memory is another program's).
         probe = src.probe
-        assert probe.rule_owner(forked) == os.getpid() and probe.rule_owner(spawned.pid) is None
-        assert os.getpid() in probe.rule_owners()
-        probe.forget_rule_owners({os.getpid()})
-        assert probe.rule_owner(forked) is None
+        owners = probe.rule_owners()
+        assert owners.get(forked) == os.getpid() and spawned.pid not in owners
+        probe.drop_rule_owners([forked])
+        assert forked not in probe.rule_owners()
         os.waitpid(forked, 0)
         spawned.wait(timeout=5)
     finally:

@@ -217,21 +217,20 @@ def test_a_new_process_seen_at_its_first_stack_is_taught_ahead_before_its_stacks
 
 
 class FakeOwners:
-    """A fake of the probe's rules_owner map: who walks by its own rules now, and
-    the owners forgotten."""
+    """A fake of the probe's rules_owner map (child -> the process whose rules it
+    walks by), and how often it was read."""
 
-    def __init__(self) -> None:
-        self.own: list[int] = []
-        self.forgotten: list[set[int]] = []
+    def __init__(self, owned: dict[int, int]) -> None:
+        self.owned = dict(owned)
+        self.reads = 0
 
-    def own_rules(self, pid: int) -> None:
-        self.own.append(pid)
+    def rule_owners(self) -> dict[int, int]:
+        self.reads += 1
+        return dict(self.owned)
 
-    def forget_rule_owners(self, pids: set[int]) -> None:
-        self.forgotten.append(set(pids))
-
-    def rule_owners(self) -> set[int]:
-        return {100, 500}  # 500: a forker never taught (it never blocked)
+    def drop_rule_owners(self, pids: Iterable[int]) -> None:
+        for pid in pids:
+            self.owned.pop(pid, None)
 
 
 def test_a_forked_process_teaches_the_one_it_was_forked_from_the_sites_only_it_reached() -> None:
@@ -240,21 +239,29 @@ def test_a_forked_process_teaches_the_one_it_was_forked_from_the_sites_only_it_r
     taught to the forker as well as to the child, so that its next children's
     walks get past it. Once seen, the child walks by its own rules; once the
     forker is gone, nobody walks by its rules any more."""
-    probe, owners = FakeProbe(), FakeOwners()
+    probe = FakeProbe()
+    # 100 forked 200 and 600, and 500 (a forker never taught: it never blocked)
+    # forked 700; 800 walks by 300's rules.
+    owners = FakeOwners({100: 1, 200: 100, 600: 100, 700: 500, 800: 300})
     lenders = {200: (100, 7), 300: None}
     repair = UserStackRepair(FakeUnwinder(), probe.teach, forget=probe.forget,  # type: ignore[arg-type]
                              maps=lambda pid, pc, start: [ExecMapping(0x1000, 0x3000, 0, "/bin/x", "")],
                              owners=owners, lender=lenders.get)
     repair.repair(100, (0x1100, 0x1200), start=7)
-    assert owners.own == [100]
+    assert 100 not in owners.owned  # seen: its own rules from now
     repair.repair(200, (0x1100, 0x1300, 0x1200), start=9)  # 0x1300: the child's own site
-    assert owners.own == [100, 200]
+    assert 200 not in owners.owned and owners.owned[600] == 100
     assert {pc for pid, pc in probe.rules if pid == 200} == {0x1100, 0x1300, 0x1200}
     assert {pc for pid, pc in probe.rules if pid == 100} == {0x1100, 0x1200, 0x1300}
     repair.repair(300, (0x1100, 0x1400), start=11)  # not forked from one alive: its own
     assert (100, 0x1400) not in probe.rules
+    reads = owners.reads
     repair.sweep({200: 9, 300: 11}.get)  # 100 is gone, and 500
-    assert owners.forgotten == [{100}, {100, 500}]
+    assert owners.owned == {800: 300} and owners.reads == reads + 1
+    # A pid taught again as another process: nobody walks by the old one's rules.
+    owners.owned[900] = 300
+    repair.repair(300, (0x1100,), start=12)
+    assert owners.owned == {}
     # A lender not seen (or seen under another start time) is taught nothing.
     lenders[400] = (100, 8)
     repair.repair(400, (0x1100, 0x1500), start=13)

@@ -315,26 +315,15 @@ class Probe:
         return self._map("unwind_rules").delete_many(
             [_RULE_KEY.pack(tgid, 0, pc) for tgid, pc in rules])
 
-    def own_rules(self, pid: int) -> None:
-        """Process `pid` has been taught rules of its own: it no longer walks by those
-        of the process it was forked from (offcpu.c rules_owner)."""
-        self._map(RULES_OWNER).delete(_U32.pack(pid))
+    def rule_owners(self) -> dict[int, int]:
+        """{process: the process whose rules it walks by} (offcpu.c rules_owner: forked
+        processes offtop has not seen yet, and threads created since)."""
+        return {_U32.unpack(k)[0]: _U32.unpack(v)[0]
+                for k, v in self._map(RULES_OWNER).items()}
 
-    def rule_owner(self, pid: int) -> int | None:
-        """Whose rules process `pid` walks by, if not its own (None)."""
-        raw = self._map(RULES_OWNER).lookup(_U32.pack(pid))
-        return None if raw is None else _U32.unpack(raw)[0]
-
-    def rule_owners(self) -> set[int]:
-        """Every process some process walks by the rules of (offcpu.c rules_owner)."""
-        return {_U32.unpack(v)[0] for _k, v in self._map(RULES_OWNER).items()}
-
-    def forget_rule_owners(self, pids: set[int]) -> None:
-        """These processes are gone: no process walks by their rules any more (their
-        pids may come back as other processes, taught rules of their own)."""
-        table = self._map(RULES_OWNER)
-        table.delete_many([k for k, v in table.items()
-                           if _U32.unpack(v)[0] in pids or _U32.unpack(k)[0] in pids])
+    def drop_rule_owners(self, pids: Iterable[int]) -> None:
+        """These processes walk by their own rules from now (one batch command)."""
+        self._map(RULES_OWNER).delete_many([_U32.pack(pid) for pid in pids])
 
     def forked(self, pid: int) -> Forked | None:
         """The probe's note of which process `pid` was forked from, when, and when it

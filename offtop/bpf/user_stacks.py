@@ -145,16 +145,12 @@ def program_of(maps: Sequence[FileMapping]) -> str | None:
 class RuleOwners(Protocol):
     """Whose rules a forked process not seen yet walks by (`offtop.bpf.probe.Probe`)."""
 
-    def own_rules(self, pid: int) -> None:
-        """`pid` walks by its own rules from now."""
+    def rule_owners(self) -> dict[int, int]:
+        """{process: the process whose rules it walks by}."""
         ...
 
-    def forget_rule_owners(self, pids: set[int]) -> None:
-        """No process walks by the rules of `pids` (gone) any more."""
-        ...
-
-    def rule_owners(self) -> set[int]:
-        """Every process some process walks by the rules of."""
+    def drop_rule_owners(self, pids: Iterable[int]) -> None:
+        """These processes walk by their own rules from now."""
         ...
 
 
@@ -216,7 +212,21 @@ class UserStackRepair:
         return self._count
 
     def forget_processes(self, pids: set[int]) -> None:
-        """These processes are gone: their rules mean nothing any more, here or in the probe."""
+        """These processes are gone: their rules mean nothing any more, here or in the
+        probe, and no process walks by them (their pids may come back as others')."""
+        self._forget_rules(pids)
+        self._disown(pids, pids.__contains__)
+
+    def sweep(self, start_time: Callable[[int], int | None]) -> None:
+        """Forget the processes gone since they were taught (`start_time`: now, None if
+        gone), and those gone that processes forked from them walk by, taught or not
+        (one that never blocked has no rules here: its pid, taken by another
+        process, would lend that one's)."""
+        gone = {pid for pid in self._taught if start_time(pid) != self._starts.get(pid)}
+        self._forget_rules(gone)
+        self._disown(gone, lambda pid: pid in gone or start_time(pid) is None)
+
+    def _forget_rules(self, pids: set[int]) -> None:
         rules = []
         for pid in pids:
             taught = self._taught.pop(pid, ())
@@ -228,20 +238,18 @@ class UserStackRepair:
             self._keeps_count -= len(self._keeps_fp.pop(pid, ()))
         if rules:
             self._forget(rules)
-        if pids and self._owners is not None:
-            self._owners.forget_rule_owners(pids)
 
-    def sweep(self, start_time: Callable[[int], int | None]) -> None:
-        """Forget the processes gone since they were taught (`start_time`: now, None if
-        gone), and those gone that processes forked from them walk by, taught or not
-        (one that never blocked has no rules here: its pid, taken by another
-        process, would lend that one's)."""
-        self.forget_processes({pid for pid in self._taught
-                               if start_time(pid) != self._starts.get(pid)})
-        if self._owners is not None:
-            gone = {pid for pid in self._owners.rule_owners() if start_time(pid) is None}
-            if gone:
-                self._owners.forget_rule_owners(gone)
+    def _disown(self, pids: set[int], gone: Callable[[int], bool]) -> None:
+        """The probe's notes (`RuleOwners`) of `pids`, and of every process that walks
+        by the rules of one `gone` says is gone, deleted: one read of the map, each
+        owner asked about once, one batch delete."""
+        if self._owners is None:
+            return
+        owned = self._owners.rule_owners()
+        verdict = {owner: gone(owner) for owner in set(owned.values())}
+        dropped = [pid for pid, owner in owned.items() if pid in pids or verdict[owner]]
+        if dropped:
+            self._owners.drop_rule_owners(dropped)
 
     def _rule(self, pid: int, addr: int, first: bool,
               maps: Sequence[FileMapping] | None = None) -> Rule | None:
@@ -383,7 +391,7 @@ class UserStackRepair:
         own rules from here (until now, if it was forked, by its forker's)."""
         self._teach_ahead(pid, taught, maps)
         if self._owners is not None:
-            self._owners.own_rules(pid)
+            self._owners.drop_rule_owners((pid,))
 
     def _teach_ahead(self, pid: int, taught: dict[int, int],
                      maps: Sequence[FileMapping]) -> None:
