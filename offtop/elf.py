@@ -76,6 +76,8 @@ _STEP_BYTES = 1 << 20  # bytes read per loading step
 #: Causes `ElfCache.get` reports instead of symbols (beside safe_files' causes).
 BAD_ELF = "malformed ELF"
 TIME_BUDGET = "time budget"
+#: The file at a path is not (or no longer) the one that was mapped there.
+FILE_REPLACED = "file replaced"
 
 
 class ElfError(ValueError):
@@ -458,16 +460,20 @@ class ElfCache:
         """Memory the cached tables hold, roughly."""
         return self._bytes
 
-    def get(self, path: str, *, deadline: float | None = None) -> ElfSymbols | str:
+    def get(self, path: str, *, deadline: float | None = None,
+            expect: tuple[int, int] | None = None) -> ElfSymbols | str:
         """The symbols of the file at `path`, or the cause they cannot be had.
 
         Past `deadline` (a `clock` time), no loading is started or continued:
         the answer is TIME_BUDGET, and a part-loaded file goes on at the next call.
+        `expect`: the (device, inode) the file must be (else FILE_REPLACED).
         """
         try:
             st = os.stat(path)
         except OSError as e:
             return FileRefused.from_os_error(e).cause
+        if expect is not None and (st.st_dev, st.st_ino) != expect:
+            return FILE_REPLACED
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         done = self._files.get(key)
         if done is not None:
@@ -483,6 +489,11 @@ class ElfCache:
                 if not e.gone:
                     self._store(key, e.cause)
                 return e.cause
+            if f.identity != key:
+                # Replaced between the stat and the open: its contents must not
+                # be kept under the other file's key.
+                f.close()
+                return FILE_REPLACED
             loading = self._loading[key] = _Loading(f, load_steps(f, debug_root=self._debug_root))
             while len(self._loading) > self._max_loading:
                 self._loading.popitem(last=False)[1].abandon()

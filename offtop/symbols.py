@@ -212,6 +212,10 @@ class Mapping:
     offset: int
     path: str  # as maps shows it (decoded with replacement), " (deleted)" included
     handle: str  # what to open: /proc/PID/map_files/START-END; "" for anonymous memory
+    #: (device, inode) the kernel said was mapped, for a mapping it sent
+    #: (offtop.bpf.sent_maps): `handle` is then a path, used only while the
+    #: file there is that one.
+    ident: tuple[int, int] | None = None
 
     @property
     def module(self) -> str:
@@ -423,6 +427,7 @@ class _Proc:
     dead_since: float | None = None
     perf_map: PerfMap | None = None
     perf_map_read_at: float = float("-inf")
+    sent_ns: int = 0  # the exec time of the mappings the kernel sent, if those are `maps`
 
 
 class UserSymbols:
@@ -461,6 +466,11 @@ class UserSymbols:
         self.stand_in: Callable[[int], tuple[int, int] | None] | None = None
         #: Stacks of processes gone before their first sight resolved in a stand-in's map.
         self.stood_in = 0
+        #: A gone process's exec time and executable mappings as the kernel sent
+        #: them (None: not known whole); set by the engine (offtop.bpf.sent_maps).
+        self.sent: Callable[[int], tuple[int, list[Mapping]] | None] | None = None
+        #: Processes gone before their first sight named in the mappings the kernel sent.
+        self.from_sent = 0
         # pid -> (when asked, the answer): a gone process's stacks and their
         # unwinding ask again and again, a read of the probe's notes and of
         # /proc each time; an answer holds for REREAD_S.
@@ -491,19 +501,55 @@ class UserSymbols:
             start = self._start_time(pid)
         p = self._procs.get(pid)
         if p is not None:
-            if start is None:  # gone: keep what we know, until the grace ends
+            if start is None and p.sent_ns and not self._sent_holds(pid, p):
+                self._forget(pid)  # another process under the pid since
+            elif start is None:  # gone: keep what we know, until the grace ends
                 if p.dead_since is None:
                     p.dead_since = self._clock()
                 return p
-            if start == p.start:
+            elif start == p.start:
                 return p
-            self._forget(pid)  # pid reused by another process
+            else:
+                self._forget(pid)  # pid reused by another process
         if start is None:
-            return None
+            return self._sent_proc(pid, -1)
         if len(self._procs) >= self._max:
             self.evict(force=True)
-        p = self._procs[pid] = self._new_proc(pid, start)
+        p = self._new_proc(pid, start)
+        if not p.maps and self.sent is not None and self._start_time(pid) != start:
+            # Seen alive (its start is known) but gone before its map was read.
+            sent = self._sent_proc(pid, start)
+            if sent is not None:
+                return sent
+        self._procs[pid] = p
         return p
+
+    def _sent_proc(self, pid: int, start: int) -> _Proc | None:
+        """A gone process's cache made from the mappings the kernel sent, if known
+        (`start`: its start time, -1 if unknown)."""
+        got = self.sent(pid) if self.sent is not None else None
+        if got is None:
+            return None
+        exec_ns, maps = got
+        if len(self._procs) >= self._max:
+            self.evict(force=True)
+        now = self._clock()
+        self.from_sent += 1
+        p = self._procs[pid] = _Proc(start=start, maps=maps, starts=[m.start for m in maps],
+                                     maps_read_at=now, dead_since=now, sent_ns=exec_ns)
+        return p
+
+    def _sent_holds(self, pid: int, p: _Proc) -> bool:
+        """Whether the mappings the kernel sent are still those of the process under
+        `pid`: asked again once a REREAD_S (a pid is reused by a new process)."""
+        now = self._clock()
+        if now - p.maps_read_at < REREAD_S:
+            return True
+        got = self.sent(pid) if self.sent is not None else None
+        if got is None or got[0] != p.sent_ns:
+            return False
+        p.maps_read_at = now
+        return True
 
     def _forget(self, pid: int) -> None:
         p = self._procs.pop(pid)
@@ -690,7 +736,7 @@ class UserSymbols:
         if known is not None and now - known[0] < REREAD_S:
             syms = known[1]
         else:
-            syms = self.elf.get(m.handle, deadline=deadline)
+            syms = self.elf.get(m.handle, deadline=deadline, expect=m.ident)
             if isinstance(syms, ElfSymbols):
                 p.tables[m.start] = (now, syms)
         if (syms is None or isinstance(syms, str)) and p.dead_since is None \
@@ -701,7 +747,8 @@ class UserSymbols:
             p.dead_since = now
         if (syms is None or isinstance(syms, str)) and p.dead_since is not None \
                 and not m.path.endswith(" (deleted)"):
-            syms = self.elf.get(m.path, deadline=deadline)  # map_files are gone with the process
+            # map_files are gone with the process
+            syms = self.elf.get(m.path, deadline=deadline, expect=m.ident)
         if syms is None or isinstance(syms, str):
             cause = syms or UNREADABLE
         else:

@@ -277,9 +277,10 @@ def test_the_engine_sizes_its_rings_by_the_budget(bpf_available: None) -> None:
         return sizes
 
     before = ring_maps()
-    with engine(perf_pages_total=32 * cpus, new_stack_pages_total=8 * cpus):
+    with engine(perf_pages_total=32 * cpus, new_stack_pages_total=8 * cpus,
+                sent_map_pages_total=4 * cpus):
         during = ring_maps() - before
-    assert during == collections.Counter({32: cpus, 8: cpus}), during
+    assert during == collections.Counter({32: cpus, 8: cpus, 4: cpus}), during
     assert not ring_maps() - before  # unmapped at close
 
 
@@ -460,7 +461,8 @@ class _FakeElfCache:
     def __init__(self) -> None:
         self.files: dict[str, _FakeImage] = {}
 
-    def get(self, path: str, *, deadline: float | None = None) -> _FakeImage | None:
+    def get(self, path: str, *, deadline: float | None = None,
+            expect: tuple[int, int] | None = None) -> _FakeImage | None:
         return self.files.get(path)
 
 

@@ -660,7 +660,8 @@ class CountingElfCache(ElfCache):
         super().__init__()
         self.asked = 0
 
-    def get(self, path: str, *, deadline: float | None = None) -> Any:
+    def get(self, path: str, *, deadline: float | None = None,
+            expect: tuple[int, int] | None = None) -> Any:
         self.asked += 1
         return super().get(path, deadline=deadline)
 

@@ -625,7 +625,7 @@ class FakeTables:
     def __init__(self, table: FileTable | None) -> None:
         self.table = table
 
-    def get(self, path: str) -> FileTable | None:
+    def get(self, path: str, expect: tuple[int, int] | None = None) -> FileTable | None:
         return self.table
 
 
@@ -653,7 +653,7 @@ def _counting_rules(looked: list[str]) -> Unwinder:
     table = FakeTable([(0x401000, 0x401100, _rule(off=16))])
 
     class Counting(FakeTables):
-        def get(self, path: str) -> FileTable | None:
+        def get(self, path: str, expect: tuple[int, int] | None = None) -> FileTable | None:
             looked.append(path)
             return super().get(path)
 

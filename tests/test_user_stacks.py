@@ -339,3 +339,57 @@ def test_a_stack_copy_teaches_every_rule_its_stack_needs_at_once() -> None:
     assert repair.learn_from_copy(200, 0, copy) == 0 and unwinder.asked[-1][0] == 100
     assert repair.learn_from_copy(100, 8, copy) == 4
     assert probe.forgotten == [{100}]
+
+
+class CopyRules(RulesByPc):
+    """Rules by pc (the cut is judged by them), and a copy's walk as CopyUnwinder's."""
+
+    def __init__(self, rules: dict[int, Rule], found: tuple[int, ...], reason: StopReason) -> None:
+        super().__init__(rules)
+        self.found = found
+        self.reason = reason
+        self.walked: list[tuple[int, Any]] = []
+
+    def unwind(self, pid: int, tid: int, pc: int, sp: int, bp: int | None = None, *,
+               maps: Any = None, mem: Any = None) -> UnwindResult:
+        self.walked.append((pid, maps))
+        return UnwindResult(self.found, self.reason)
+
+
+def test_a_cut_stack_is_read_on_from_its_copy_living_or_gone() -> None:
+    """A walk the probe cut (no rule yet where it ended) is the same stack as the
+    copy of its top unwound here: the stack shown is the copy's walk, whole if that
+    reached the outermost frame, from the first sighting on, not only the next
+    walk's. A gone process (start 0: an exec'd `sleep 0.01`, never seen alive) is
+    taught nothing, but its copy is unwound in its own mappings (the ones the kernel
+    sent, offtop.bpf.sent_maps): no mappings, no unwinding. A copy's walk that does
+    not begin with the frames the probe's walk trusted is not taken."""
+    probe = FakeProbe()
+    whole = (0x1000, 0x2000, 0x3000, 0x4000)
+    rules = {0x1000: FP, 0x1fff: NO_FP, 0x2fff: NO_FP, 0x3fff: OUTERMOST}
+    mapped = [ExecMapping(0x1000, 0x5000, 0, "/bin/x", "")]
+    known = {100: mapped, 200: mapped}
+    unwinder = CopyRules(rules, whole, StopReason.OUTERMOST)
+    repair = UserStackRepair(unwinder, probe.teach,  # type: ignore[arg-type]
+                             maps=lambda pid, pc, start: known.get(pid, []))
+    cut = (0x1000, 0x2000 | FP_FRAME_TAG)
+    copy = StackCopy(sid=5, tgid=100, pc=0x1000, sp=0x7000, bp=0x7100, data=bytes(64))
+    assert repair.repair(100, cut, start=7) == ((0x1000, 0x2000), True)  # no copy: cut
+    assert repair.repair(100, cut, start=7, copy=copy) == (whole, False)
+    assert repair.repair(200, cut, start=0, copy=copy) == (whole, False)
+    assert not any(pid == 200 for pid, _ in probe.rules)  # gone: nobody taught
+    assert unwinder.walked[-1] == (200, mapped)
+    asked = len(unwinder.walked)
+    assert repair.repair(300, cut, start=0, copy=copy) == ((0x1000, 0x2000), True)
+    assert len(unwinder.walked) == asked  # no mappings known: not unwound
+    assert repair.stats.copies_unwound == 2
+    # A walk that stopped short of the outermost frame: longer, still marked cut.
+    unwinder.found, unwinder.reason = whole[:3], StopReason.STACK_READ
+    assert repair.repair(200, cut, start=0, copy=copy) == (whole[:3], True)
+    # One that disagrees with the probe's trusted frames is not taken.
+    unwinder.found, unwinder.reason = (0x1000, 0x2500, 0x3000), StopReason.OUTERMOST
+    assert repair.repair(200, cut, start=0, copy=copy) == ((0x1000, 0x2000), True)
+    # Nor one of another top (the copy of another walk).
+    unwinder.found = whole
+    other = StackCopy(sid=5, tgid=200, pc=0x1004, sp=0x7000, bp=0x7100, data=bytes(64))
+    assert repair.repair(200, cut, start=0, copy=other) == ((0x1000, 0x2000), True)

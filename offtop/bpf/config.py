@@ -64,6 +64,10 @@ class EngineConfig:
     #: New user stacks per CPU that wake the interval loop between sub-ticks, so that
     #: a new process is seen (its unwinding rules taught) within milliseconds.
     new_stack_wakeup: int = 32
+    #: Pages per CPU of the ring the kernel's exec and mapping records come through
+    #: (offtop.bpf.sent_maps; ~1 KiB an exec), at most, and in all; 0: none read.
+    sent_map_pages: int = 32
+    sent_map_pages_total: int = 256
     wakeup_events: int = 64
     subtick_s: float = 0.25
     #: The kernel's sums are read at most this far apart, and at each snapshot's

@@ -48,6 +48,7 @@ from offtop.bpf.probe import LINEAGE, RULES_OWNER, Drained, Probe, RawRow, RawSu
 from offtop.bpf.probe_stats import ProbeStats
 from offtop.bpf.python_frames import PythonFrames
 from offtop.bpf.row_frames import Resolved, RowFrames
+from offtop.bpf.sent_maps import MappingWatch, SentMaps
 from offtop.bpf.stack_store import StackStore
 from offtop.bpf.unwound import UnwoundStacks
 from offtop.bpf.user_stacks import UserStackRepair
@@ -191,6 +192,7 @@ class BpfSource:
         self._comms: dict[bytes, str] = {}  # raw comm -> decoded
         self._ring: PerfRing | None = None
         self._stack_ring: PerfRing | None = None  # new user stacks, whole (see StackStore.offer_user)
+        self._watch: MappingWatch | None = None  # the kernel's mapping records (sent_maps)
         self._blocked: BlockedNowReader | None = None
         self._stats = ProbeStats()
         self._self_cost = SelfCost()
@@ -298,6 +300,7 @@ class BpfSource:
             lineage = Lineage(self.probe.forked)
             if self.probe.has_map(LINEAGE):
                 self._usyms.stand_in = lineage.stand_in
+                self._watch_mappings(lineage)
             owners = self.probe if self.probe.has_map(RULES_OWNER) else None
             self.frames.unwound = UnwoundStacks(unwinder, self._usyms, clock=self._clock,
                                                saved=self.probe.user_regs)
@@ -321,6 +324,22 @@ class BpfSource:
         self._last_tick = self._last_subtick = self._interval_base = armed
         self._next_subtick = armed + cfg.subtick_s
         self._next_drain = armed  # at the first sub-tick: it may be a flood
+
+    def _watch_mappings(self, lineage: Lineage) -> None:
+        """Read the kernel's records of execs and executable mappings (offtop.bpf.sent_maps):
+        a process gone before its first sight is named in its own. Without them (an
+        older kernel, a locked-down perf), such a process is not named, as before."""
+        cfg = self.config
+        if not cfg.sent_map_pages or self._usyms is None or self._ring is None:
+            return
+        try:
+            self._watch = MappingWatch(SentMaps(lineage.exec_of), pages=ring_pages(
+                cfg.sent_map_pages, cfg.sent_map_pages_total, len(online_cpus()), least=4))
+        except OSError as e:
+            self._interval.notices.append(f"processes gone at once are not named: {e}")
+            return
+        self._usyms.sent = self._watch.sent.mappings
+        self._ring.wake_on(self._watch.ring)
 
     def _in_scope(self, pid: int, tid: int) -> bool:
         cfg = self.config
@@ -408,6 +427,9 @@ class BpfSource:
             if ring is not None:
                 ring.close()
         self._ring = self._stack_ring = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self._usyms is not None:
             self._usyms.close()
         self.probe.close()
@@ -466,6 +488,8 @@ class BpfSource:
         the processes whose first stacks these are are seen at once
         (`StackStore.see_processes`): their program's unwinding rules taught
         before their threads block again, not a sub-tick later."""
+        if self._watch is not None:
+            self._watch.read()  # before the stacks: a process maps its files before it blocks
         ring = self._stack_ring
         stacks = self.frames.stacks
         if ring is None or stacks is None:
@@ -787,6 +811,10 @@ class BpfSource:
             unwind_budget_s=self.config.unwind_budget_s)
         counters = self._cut_counters
         stack_errors, drops = _errors_by_cause(counters)
+        if self._watch is not None and self._watch.lost:
+            # The kernel's mapping records (sent_maps): what was kept is dropped
+            # with them, and processes gone at once may go unnamed meanwhile.
+            drops["mapping records lost"] = self._watch.lost
         probe_ns, probe_runs = self._stats.interval_result(counters)
         lost_total = self._ring.lost
         lost = lost_total - self._lost_seen

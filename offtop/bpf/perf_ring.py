@@ -135,14 +135,17 @@ class PerfRing:
     `set_fd(cpu, fd)` is called for each ring to store its fd in the BPF
     program's perf event array. `wakeup_events` batches wakeups: the kernel
     signals the poller once per that many records instead of every one.
+    `attr`: another event than BPF output, opened on each CPU as given (its
+    records are read with `drain_records`); `set_fd` may then be None.
     """
 
     def __init__(
         self,
-        set_fd: Callable[[int, int], None],
+        set_fd: Callable[[int, int], None] | None,
         *,
         pages: int = 64,
         wakeup_events: int = 64,
+        attr: PerfEventAttr | None = None,
     ) -> None:
         if pages <= 0 or pages & (pages - 1):
             raise ValueError("pages must be a power of two")
@@ -156,7 +159,7 @@ class PerfRing:
         try:
             self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             self._epoll.register(self._wake_fd, select.EPOLLIN)
-            for cpu in online_cpus():
+            if attr is None:
                 attr = PerfEventAttr()
                 attr.type = PERF_TYPE_SOFTWARE
                 attr.size = ct.sizeof(PerfEventAttr)
@@ -165,6 +168,7 @@ class PerfRing:
                 attr.sample_type = PERF_SAMPLE_RAW
                 attr.flags = _ATTR_DISABLED
                 attr.wakeup_events = max(1, wakeup_events)
+            for cpu in online_cpus():
                 fd = syscalls.perf_event_open(attr, -1, cpu, -1, PERF_FLAG_FD_CLOEXEC)
                 if fd < 0:
                     raise OSError(-fd, f"perf_event_open(cpu {cpu}): {os.strerror(-fd)}")
@@ -175,7 +179,8 @@ class PerfRing:
                     os.close(fd)
                     raise
                 self._rings.append(_Ring(cpu, fd, mm, page * pages, page))
-                set_fd(cpu, fd)
+                if set_fd is not None:
+                    set_fd(cpu, fd)
                 self._libc.ioctl(fd, PERF_EVENT_IOC_ENABLE, 0)
                 self._epoll.register(fd, select.EPOLLIN)
         except BaseException:
@@ -238,8 +243,20 @@ class PerfRing:
                 break
         return n
 
+    def drain_records(self, out: list[tuple[int, int, bytes]], *,
+                      max_records: int = 1 << 20) -> int:
+        """Like `drain`, but append every record but LOST ones whole, as (type,
+        misc, the record's bytes, its header included): for events whose
+        records are not samples (`attr`)."""
+        n = 0
+        for r in self._rings:
+            n += self._drain_one(r, out, max_records - n, whole=True)
+            if n >= max_records:
+                break
+        return n
+
     def _drain_one(self, r: _Ring, out: list[Any], budget: int,
-                   record: struct.Struct | None = None) -> int:
+                   record: struct.Struct | None = None, *, whole: bool = False) -> int:
         mm = r.mm
         head = _U64.unpack_from(mm, _DATA_HEAD)[0]
         tail = _U64.unpack_from(mm, _DATA_TAIL)[0]
@@ -263,7 +280,10 @@ class PerfRing:
             typ, _misc, rsize = _HEADER.unpack_from(chunk, pos)
             if rsize == 0 or pos + rsize > avail:
                 break
-            if typ == PERF_RECORD_SAMPLE:
+            if whole and typ != PERF_RECORD_LOST:
+                out.append((typ, _misc, chunk[pos: pos + rsize]))
+                n += 1
+            elif typ == PERF_RECORD_SAMPLE:
                 raw_size = _U32.unpack_from(chunk, pos + 8)[0]
                 if record is None:
                     out.append(chunk[pos + 12: pos + 12 + raw_size])

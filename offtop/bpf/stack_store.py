@@ -268,7 +268,10 @@ class StackStore:
                 checked, checked_start = self.user_symbols.stand_in_for(pid) or (pid, 0)
             # A gone process's copy is unwound in the memory map of the one it
             # was forked from, which learns the rules: the same memory.
-            copy = self._copies.pop(sid, None)
+            # Kept after use (until COPIES_MAX newer ones push it out): a stack
+            # is resolved again once its process is gone (its start then
+            # unknown, nothing kept), and its copy unwinds it then too.
+            copy = self._copies.get(sid)
             addrs, cut = self._repair.repair(
                 checked, addrs, checked_start, at_limit=at_limit,
                 copy=copy if copy is not None and copy.tgid == pid else None)

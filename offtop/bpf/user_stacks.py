@@ -39,7 +39,7 @@ from offtop.bpf.decode import FP_FRAME_TAG, StackCopy
 from offtop.unwind import Unwinder
 from offtop.unwind.memory import CopiedStack
 from offtop.unwind.rules import CfaKind, RegKind, Rule
-from offtop.unwind.unwinder import FileMapping
+from offtop.unwind.unwinder import FileMapping, UnwindResult
 
 # offcpu.c RULE_*: how the probe steps from a pc to its caller.
 RULE_RSP, RULE_RBP, RULE_OUTERMOST, RULE_FP = 1, 2, 3, 4
@@ -85,6 +85,8 @@ class RepairStats:
     rules_ahead: int = 0
     #: Stack copies the probe sent that rules were learned from (`learn_from_copy`).
     copies_learned: int = 0
+    #: Stacks of gone processes made whole (or longer) from their copies.
+    copies_unwound: int = 0
 
 
 class ProgramSites:
@@ -276,14 +278,38 @@ class UserStackRepair:
         maps = self._first_sight(pid, start, addrs[0])
         # None: the process is gone, there is nobody to teach.
         taught = self._taught.setdefault(pid, {}) if start else None
+        walked = None
         if (copy is not None and taught is not None
                 and self._check(pid, addrs, None, at_limit, count=False)[1]):
-            self.learn_from_copy(pid, start, copy)
+            walked = self._learn_copy(pid, start, copy)[1]
         out, cut = self._check(pid, addrs, taught, at_limit)
         if maps is not None and taught is not None:
             # After the check: the walk had none of these rules.
             self._seen(pid, taught, maps)
+        if cut and copy is not None and copy.pc == out[0]:
+            # The probe's walk had no rule where it was cut (the process's
+            # first walks there; a process gone was never seen: an exec'd one
+            # that lived a few milliseconds blocks once): the copy, unwound with
+            # the binaries' call-frame information, is the same stack read on.
+            # A gone process's is unwound in the mappings the kernel sent for
+            # it (offtop.bpf.sent_maps), or none. Taken only if it begins with
+            # the frames the probe's walk trusted.
+            if walked is None and taught is None:
+                walked = self._unwind_gone(pid, copy)
+            got = walked.addresses if walked is not None else ()
+            if len(got) > len(out) and got[:len(out)] == out:
+                assert walked is not None
+                self.stats.copies_unwound += 1
+                return got, not walked.complete
         return out, cut
+
+    def _unwind_gone(self, pid: int, copy: StackCopy) -> UnwindResult | None:
+        """A gone process's copy unwound in its memory map, if one is known."""
+        maps = self._maps(pid, copy.pc, 0)
+        if not maps:
+            return None
+        return self._unwinder.unwind(pid, 0, copy.pc, copy.sp, copy.bp,
+                                     mem=CopiedStack(copy.sp, copy.data), maps=maps)
 
     def see(self, pid: int, start: int, pc: int) -> bool:
         """A process's first stack has just come (`pc` its top; `start` its start time,
@@ -305,8 +331,12 @@ class UserStackRepair:
         binaries' call-frame information, so the site's next walk is whole rather
         than a frame longer. `start`: the process's start time (0: gone, nothing
         is taught). How many rules were taught."""
+        return self._learn_copy(pid, start, copy)[0]
+
+    def _learn_copy(self, pid: int, start: int, copy: StackCopy) -> tuple[int, UnwindResult | None]:
+        """`learn_from_copy`, and the copy's walk (None: not walked)."""
         if not start:
-            return 0
+            return 0, None
         maps = self._first_sight(pid, start, copy.pc)
         taught = self._taught.setdefault(pid, {})
         walked = self._unwinder.unwind(
@@ -319,7 +349,7 @@ class UserStackRepair:
         self.stats.copies_learned += 1
         if maps is not None:
             self._seen(pid, taught, maps)
-        return self.stats.rules_taught - before
+        return self.stats.rules_taught - before, walked
 
     def _first_sight(self, pid: int, start: int, pc: int) -> Sequence[FileMapping] | None:
         """At a process's first sight (`start` not the one taught before under its pid:

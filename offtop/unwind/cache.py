@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from offtop.safe_files import FileRefused, open_regular
 from offtop.unwind.cfi import CfiLimits
 from offtop.unwind.elffile import ElfFile, ElfFormatError
 from offtop.unwind.lazy import load_table
@@ -65,8 +66,22 @@ class TableCache:
     def __len__(self) -> int:
         return len(self._by_file)
 
-    def get(self, path: str) -> FileTable | None:
-        """The table of the ELF file at `path` (e.g. /proc/PID/map_files/…), None if unusable."""
+    def get(self, path: str, expect: tuple[int, int] | None = None) -> FileTable | None:
+        """The table of the ELF file at `path` (e.g. /proc/PID/map_files/…), None if unusable.
+        `expect`: the (device, inode) the file must be (a path the kernel gave for a
+        mapping, offtop.bpf.sent_maps): it is opened once, checked, and read through
+        that open file, so a file swapped in under the path is never read."""
+        if expect is not None:
+            try:
+                f = open_regular(path)
+            except FileRefused:
+                self._fail("stat")
+                return None
+            with f:
+                if f.identity[:2] != expect:
+                    self._fail("file_replaced")
+                    return None
+                return self.get(f"/proc/self/fd/{f.fd}")
         try:
             st = os.stat(path)
         except OSError:

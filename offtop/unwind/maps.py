@@ -22,6 +22,7 @@ class ExecMapping:
     offset: int
     path: str  #: as maps shows it, " (deleted)" included
     handle: str  #: what to open: /proc/PID/map_files/START-END
+    ident: tuple[int, int] | None = None  #: never a path here (see FileMapping)
 
 
 def parse_maps(text: str, pid: int, proc: str = "/proc") -> list[ExecMapping]:

@@ -120,14 +120,18 @@ class FileMapping(Protocol):
     @property
     def path(self) -> str: ...
     @property
+    def ident(self) -> tuple[int, int] | None:
+        """(device, inode) `handle` must be, when it is a path (offtop.bpf.sent_maps)."""
+    @property
     def handle(self) -> str: ...
 
 
 class TableSource(Protocol):
     """Where a walk gets a file's table from (TableCache, or a fake in tests)."""
 
-    def get(self, path: str) -> FileTable | None:
-        """The table of the file at `path`, None when it has none."""
+    def get(self, path: str, expect: tuple[int, int] | None = None) -> FileTable | None:
+        """The table of the file at `path` (which must be `expect`'s device and inode,
+        if given), None when it has none."""
 
 
 class _Walk:
@@ -149,7 +153,7 @@ class _Walk:
     def rule(self, m: FileMapping, pc: int) -> Rule | bool | None:
         """The rule at `pc` in mapping `m`; False when the file has no table."""
         if m.start not in self._by_map:
-            self._by_map[m.start] = self.tables.get(m.handle)
+            self._by_map[m.start] = self.tables.get(m.handle, m.ident)
         table = self._by_map[m.start]
         if table is None:
             return False
