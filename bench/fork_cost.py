@@ -2,7 +2,7 @@
 """What offtop costs a process that forks: fork + _exit + waitpid, side by side.
 
     .venv/bin/python bench/fork_cost.py [--against REF] [--rounds 5] [--forks 3000]
-                                        [--what fork|exec|mmap]
+                                        [--what fork|exec|mmap|data|anon]
 
 bench/workloads/forker.c forks and reaps N children on CPU 1, with nothing
 traced, with offtop (`--batch --format json`, on CPU 0) and, with --against,
@@ -12,7 +12,8 @@ it works); the switch probe runs at every block of the parent's waitpid and
 at each child's short life. Reported: the median ns per fork of each, and
 each offtop's ratio to nothing traced. `--what exec`: each child execs
 /usr/bin/true; `--what mmap`: an executable mmap + munmap of a file, no fork
-(the kernel's mapping records offtop reads, offtop.bpf.sent_maps). Not part
+(the kernel's mapping records offtop reads, offtop.bpf.sent_maps); `data`: the
+same, readable only; `anon`: anonymous memory, as malloc maps it. Not part
 of `make bench` (no target).
 """
 
@@ -37,7 +38,7 @@ def main() -> None:
     ap.add_argument("--against", help="also offtop as of this git ref")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--forks", type=int, default=3000)
-    ap.add_argument("--what", choices=("fork", "exec", "mmap"), default="fork")
+    ap.add_argument("--what", choices=("fork", "exec", "mmap", "data", "anon"), default="fork")
     args = ap.parse_args()
     binary = str(compile_c(BENCH / "workloads" / "forker.c", OUT / "bench_forker"))
     trees = {"offtop": ROOT}
@@ -63,7 +64,8 @@ def main() -> None:
     base = statistics.median(times["nothing"])
     for name, v in times.items():
         med = statistics.median(v)
-        print(f"{name:24} {med:8.0f} ns a {args.what} (range {min(v):.0f}-{max(v):.0f}), {med / base:.2f}x nothing")
+        print(f"{name:24} {med:8.0f} ns a {args.what} (range {min(v):.0f}-{max(v):.0f}), "
+              f"{med / base:.2f}x nothing")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
  *   fork  fork + _exit + waitpid (the default);
  *   exec  fork + exec of /usr/bin/true + waitpid (an exec maps its program and
  *         libraries: the kernel's mapping records, offtop.bpf.sent_maps);
- *   mmap  mmap of /usr/bin/true's first page, executable, then munmap. */
+ *   mmap  mmap of /usr/bin/true's first page, executable, then munmap;
+ *   data  the same page mapped readable only (a file's data), then munmap;
+ *   anon  an anonymous page (what malloc maps), then munmap. */
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,8 +25,11 @@ int main(int argc, char **argv)
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
     for (long i = 0; i < n; i++) {
-        if (strcmp(what, "mmap") == 0) {
-            void *p = mmap(NULL, 4096, PROT_READ | PROT_EXEC, MAP_PRIVATE, fd, 0);
+        int anon = strcmp(what, "anon") == 0;
+        if (strcmp(what, "mmap") == 0 || strcmp(what, "data") == 0 || anon) {
+            int prot = PROT_READ | (strcmp(what, "mmap") == 0 ? PROT_EXEC : anon ? PROT_WRITE : 0);
+            void *p = mmap(NULL, 4096, prot, MAP_PRIVATE | (anon ? MAP_ANONYMOUS : 0),
+                           anon ? -1 : fd, 0);
             if (p == MAP_FAILED || munmap(p, 4096) != 0)
                 return 1;
             continue;
