@@ -77,6 +77,7 @@ _HEADER_SIZE = 8
 EXEC_SLACK_NS = 1_000_000_000
 MAX_PROCESSES = 2048
 MAX_MAPPINGS = 1024
+MAX_PATHS = 4096  #: distinct paths shared between processes' lists
 #: How long a process's list is kept after its exec: a process gone at once has
 #: its stacks resolved within a second or two of its end; one that lives longer
 #: is seen alive, and named from /proc.
@@ -109,12 +110,12 @@ def _mapping(body: bytes) -> tuple[int, int, Mapping] | None:
 
 
 class SentMaps:
-    """Each exec'd process's executable mappings, from the kernel's records.
+    """Each exec'd process's executable mappings, from the kernel's records
+    (`take`, as PerfRing.drain_records gives them).
 
-    `records` yields (type, misc, bytes) records as PerfRing.drain_records
-    gives them; `noted_exec(pid)` is the probe's note of when the process now
-    under `pid` last exec'd, if it did and was not forked since (boot-clock
-    ns, offtop.bpf.lineage). `now_ns` reads the boot clock.
+    `noted_exec(pid)` is the probe's note of when the process now under `pid`
+    last exec'd, if it did and was not forked since (boot-clock ns,
+    offtop.bpf.lineage). `now_ns` reads the boot clock.
     """
 
     def __init__(self, noted_exec: Callable[[int], int | None], *,
@@ -172,7 +173,7 @@ class SentMaps:
         noted = self._noted_exec(pid)
         if noted is None or not 0 <= noted - s.exec_ns <= EXEC_SLACK_NS:
             return None
-        return s.exec_ns, s.maps
+        return s.exec_ns, list(s.maps)
 
     def _exec(self, pid: int, ts: int) -> None:
         old = self._procs.pop(pid, None)
@@ -187,6 +188,8 @@ class SentMaps:
         s = self._procs.get(pid)
         if s is None or ts < s.exec_ns or len(s.maps) >= MAX_MAPPINGS:
             return  # not exec'd while watched (or before this exec): not whole
+        if len(self._paths) >= MAX_PATHS:
+            self._paths.clear()  # sharing starts over; nothing is wrong
         path = self._paths.setdefault(m.path, m.path)
         m = Mapping(m.start, m.end, m.offset, path, path if m.handle else "", ident=m.ident)
         # A new mapping replaces whatever it overlaps (the kernel unmapped it).
