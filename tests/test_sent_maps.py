@@ -241,3 +241,23 @@ def test_the_kernel_sends_an_exec_d_process_s_mappings() -> None:
     libc = [m for m in got[1] if m.module == "libc.so.6"]
     assert libc and libc[0].ident == (os.stat(libc[0].path).st_dev, os.stat(libc[0].path).st_ino)
     assert watch.lost == 0
+
+
+def test_the_mappings_kept_are_bounded_in_all() -> None:
+    """Processes that each map a thousand pieces of code cost megabytes: past
+    MAX_TOTAL_MAPPINGS, the oldest execs' lists go first."""
+    from offtop.bpf.sent_maps import MAX_TOTAL_MAPPINGS
+
+    noted = Noted()
+    sent = store(noted)
+    per = MAX_MAPPINGS
+    procs = MAX_TOTAL_MAPPINGS // per + 2
+    for pid in range(1, procs + 1):
+        ts = 50 * SEC + pid * 10_000
+        sent.take([comm_exec(pid, ts)]
+                  + [mmap2(pid, ts + i + 1, 0x1000 * (i + 1), 0x1000, b"/bin/a") for i in range(per)])
+        noted.execs[pid] = ts
+    kept = [pid for pid in range(1, procs + 1) if sent.mappings(pid) is not None]
+    assert sum(len(sent.mappings(pid)[1]) for pid in kept) <= MAX_TOTAL_MAPPINGS  # type: ignore[index]
+    assert kept == list(range(procs - len(kept) + 1, procs + 1)) and len(kept) >= procs - 3
+    assert sent.mappings(procs) is not None and len(sent.mappings(procs)[1]) == per  # type: ignore[index]

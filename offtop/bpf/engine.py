@@ -326,9 +326,10 @@ class BpfSource:
         self._next_drain = armed  # at the first sub-tick: it may be a flood
 
     def _watch_mappings(self, lineage: Lineage) -> None:
-        """Read the kernel's records of execs and executable mappings (offtop.bpf.sent_maps):
-        a process gone before its first sight is named in its own. Without them (an
-        older kernel, a locked-down perf), such a process is not named, as before."""
+        """Read the kernel's records of execs and executable mappings (offtop.bpf.sent_maps),
+        each time new stacks are (`_read_new_stacks`): a process gone before its first
+        sight is named in its own. Without them (an older kernel, a locked-down perf),
+        such a process is not named, as before."""
         cfg = self.config
         if not cfg.sent_map_pages or self._usyms is None or self._ring is None:
             return
@@ -339,7 +340,6 @@ class BpfSource:
             self._interval.notices.append(f"processes gone at once are not named: {e}")
             return
         self._usyms.sent = self._watch.sent.mappings
-        self._ring.wake_on(self._watch.ring)
 
     def _in_scope(self, pid: int, tid: int) -> bool:
         cfg = self.config
@@ -811,10 +811,6 @@ class BpfSource:
             unwind_budget_s=self.config.unwind_budget_s)
         counters = self._cut_counters
         stack_errors, drops = _errors_by_cause(counters)
-        if self._watch is not None and self._watch.lost:
-            # The kernel's mapping records (sent_maps): what was kept is dropped
-            # with them, and processes gone at once may go unnamed meanwhile.
-            drops["mapping records lost"] = self._watch.lost
         probe_ns, probe_runs = self._stats.interval_result(counters)
         lost_total = self._ring.lost
         lost = lost_total - self._lost_seen

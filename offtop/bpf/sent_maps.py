@@ -25,7 +25,12 @@ guess:
   another mount namespace, or a file replaced since, gives no names.
 
 Bounded: MAX_PROCESSES processes (the oldest exec dropped first), each kept
-KEEP_NS after its exec, MAX_MAPPINGS mappings each.
+KEEP_NS after its exec, MAX_MAPPINGS mappings each, MAX_TOTAL_MAPPINGS in all
+(a user who execs processes that map a thousand pieces of code each costs
+offtop megabytes, not gigabytes). The ring is read when the engine reads new
+stacks (it does not wake the engine): a flood of records (execs, or threads
+renamed: the kernel sends every new name) overflows it, which costs a reset
+and the parsing of one ring's worth a read, no more.
 """
 
 from __future__ import annotations
@@ -56,7 +61,6 @@ _EXCLUDE_KERNEL = 1 << 5
 _EXCLUDE_HV = 1 << 6
 _MMAP = 1 << 8
 _COMM = 1 << 9
-_WATERMARK = 1 << 14
 _SAMPLE_ID_ALL = 1 << 18
 _MMAP2 = 1 << 23
 _COMM_EXEC = 1 << 24
@@ -77,6 +81,7 @@ _HEADER_SIZE = 8
 EXEC_SLACK_NS = 1_000_000_000
 MAX_PROCESSES = 2048
 MAX_MAPPINGS = 1024
+MAX_TOTAL_MAPPINGS = 65_536
 MAX_PATHS = 4096  #: distinct paths shared between processes' lists
 #: How long a process's list is kept after its exec: a process gone at once has
 #: its stacks resolved within a second or two of its end; one that lives longer
@@ -125,6 +130,7 @@ class SentMaps:
         self._now_ns = now_ns
         self._max = max_processes
         self._procs: dict[int, _Sent] = {}  # in the order of their execs
+        self._total = 0  # mappings kept, all processes together
         self._paths: dict[str, str] = {}  # one string per path, shared by processes
         #: Records taken in; times everything kept was dropped for lost records.
         self.records = 0
@@ -163,6 +169,7 @@ class SentMaps:
             self.resets += 1
         self._procs.clear()
         self._paths.clear()
+        self._total = 0
 
     def mappings(self, pid: int) -> tuple[int, list[Mapping]] | None:
         """(exec time, mappings sorted by start) of the process under `pid`, if the
@@ -177,17 +184,25 @@ class SentMaps:
 
     def _exec(self, pid: int, ts: int) -> None:
         old = self._procs.pop(pid, None)
-        if old is not None and old.exec_ns >= ts:
-            self._procs[pid] = old  # an older exec, read late
-            return
+        if old is not None:
+            if old.exec_ns >= ts:
+                self._procs[pid] = old  # an older exec, read late
+                return
+            self._total -= len(old.maps)
         if len(self._procs) >= self._max:
-            del self._procs[next(iter(self._procs))]
+            self._drop_oldest()
         self._procs[pid] = _Sent(ts)
+
+    def _drop_oldest(self) -> None:
+        pid = next(iter(self._procs))
+        self._total -= len(self._procs.pop(pid).maps)
 
     def _add(self, pid: int, ts: int, m: Mapping) -> None:
         s = self._procs.get(pid)
         if s is None or ts < s.exec_ns or len(s.maps) >= MAX_MAPPINGS:
             return  # not exec'd while watched (or before this exec): not whole
+        while self._total >= MAX_TOTAL_MAPPINGS and next(iter(self._procs)) != pid:
+            self._drop_oldest()
         if len(self._paths) >= MAX_PATHS:
             self._paths.clear()  # sharing starts over; nothing is wrong
         path = self._paths.setdefault(m.path, m.path)
@@ -197,6 +212,7 @@ class SentMaps:
         if lo < 0 or s.maps[lo].end <= m.start:
             lo += 1
         hi = bisect.bisect_left(s.starts, m.end)
+        self._total += 1 - (hi - lo)
         s.maps[lo:hi] = [m]
         s.starts[lo:hi] = [m.start]
 
@@ -205,25 +221,21 @@ class SentMaps:
         so a batch costs what it drops, not what is kept."""
         old = self._now_ns() - KEEP_NS
         procs = self._procs
-        while procs:
-            pid = next(iter(procs))
-            if procs[pid].exec_ns >= old:
-                break
-            del procs[pid]
+        while procs and procs[next(iter(procs))].exec_ns < old:
+            self._drop_oldest()
 
 
-def watch_attr(*, watermark_bytes: int) -> PerfEventAttr:
+def watch_attr() -> PerfEventAttr:
     """The dummy event's attributes: exec and executable-mapping records only,
-    stamped with the probe's clock; the poller woken once `watermark_bytes` wait."""
+    stamped with the probe's clock (nobody polls for them: read as stacks are)."""
     attr = PerfEventAttr()
     attr.type = PERF_TYPE_SOFTWARE
     attr.size = ct.sizeof(PerfEventAttr)
     attr.config = PERF_COUNT_SW_DUMMY
     attr.sample_period = 1
     attr.sample_type = PERF_SAMPLE_TID | PERF_SAMPLE_TIME
-    attr.flags = (_DISABLED | _EXCLUDE_KERNEL | _EXCLUDE_HV | _MMAP | _COMM | _WATERMARK
+    attr.flags = (_DISABLED | _EXCLUDE_KERNEL | _EXCLUDE_HV | _MMAP | _COMM
                   | _SAMPLE_ID_ALL | _MMAP2 | _COMM_EXEC | _USE_CLOCKID)
-    attr.wakeup_events = max(1, watermark_bytes)  # wakeup_watermark, with _WATERMARK
     attr.clockid = CLOCK_BOOTTIME
     return attr
 
@@ -233,9 +245,7 @@ class MappingWatch:
 
     def __init__(self, sent: SentMaps, *, pages: int = 32) -> None:
         self.sent = sent
-        page_bytes = os.sysconf("SC_PAGE_SIZE")
-        self.ring = PerfRing(None, pages=pages,
-                             attr=watch_attr(watermark_bytes=pages * page_bytes // 2))
+        self.ring = PerfRing(None, pages=pages, attr=watch_attr())
         self._lost = 0
         self._out: list[tuple[int, int, bytes]] = []
 
