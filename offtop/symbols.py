@@ -261,6 +261,25 @@ def read_maps(pid: int, proc: str = "/proc", *, errors: Counter[str] | None = No
     return out
 
 
+#: task flags (/proc/PID/stat's 9th field): the task is exiting.
+PF_EXITING = 0x4
+
+
+def _ending(pid: int, proc: str = "/proc") -> bool:
+    """Whether a process is exiting or has ended but is not reaped yet: its start
+    time still reads as it was, but its memory, map_files included, is gone (or
+    going: it goes before the process is a zombie)."""
+    try:
+        data, _ = read_proc_file(f"{proc}/{pid}/stat", 4096)
+    except FileRefused:
+        return False
+    rest = data[data.rfind(b")") + 2:].split()
+    try:
+        return rest[0] in (b"Z", b"X") or bool(int(rest[6]) & PF_EXITING)
+    except (IndexError, ValueError):
+        return False
+
+
 def process_euid(pid: int, proc: str = "/proc") -> int | None:
     """The effective uid of a process (from /proc/PID/status), or None if gone."""
     try:
@@ -427,7 +446,8 @@ class _Proc:
     dead_since: float | None = None
     perf_map: PerfMap | None = None
     perf_map_read_at: float = float("-inf")
-    sent_ns: int = 0  # the exec time of the mappings the kernel sent, if those are `maps`
+    sent_ns: int = 0  # the exec time of the mappings the kernel sent, if known
+    made_from_sent: bool = False  # `maps` are those mappings (not /proc's)
 
 
 class UserSymbols:
@@ -516,8 +536,9 @@ class UserSymbols:
         if len(self._procs) >= self._max:
             self.evict(force=True)
         p = self._new_proc(pid, start)
-        if not p.maps and self.sent is not None and self._start_time(pid) != start:
-            # Seen alive (its start is known) but gone before its map was read.
+        if not p.maps and self.sent is not None:
+            # Seen alive (its start is known) but gone, or a zombie (its start
+            # still readable, its map empty), before its map was read.
             sent = self._sent_proc(pid, start)
             if sent is not None:
                 return sent
@@ -536,7 +557,8 @@ class UserSymbols:
         now = self._clock()
         self.from_sent += 1
         p = self._procs[pid] = _Proc(start=start, maps=maps, starts=[m.start for m in maps],
-                                     maps_read_at=now, dead_since=now, sent_ns=exec_ns)
+                                     maps_read_at=now, dead_since=now, sent_ns=exec_ns,
+                                     made_from_sent=True)
         return p
 
     def _sent_holds(self, pid: int, p: _Proc) -> bool:
@@ -549,6 +571,18 @@ class UserSymbols:
         if got is None or got[0] != p.sent_ns:
             return False
         p.maps_read_at = now
+        return True
+
+    def _sent_grew(self, pid: int, p: _Proc) -> bool:
+        """Whether the kernel sent more mappings of this process since its cache was
+        made from them (it was first asked about while still mapping its libraries);
+        if so they are its cache's now."""
+        got = self.sent(pid) if self.sent is not None else None
+        if got is None or got[0] != p.sent_ns or len(got[1]) <= len(p.maps):
+            return False
+        p.maps, p.starts = got[1], [m.start for m in got[1]]
+        p.files = None
+        p.tables.clear()
         return True
 
     def _forget(self, pid: int) -> None:
@@ -596,6 +630,13 @@ class UserSymbols:
                 return []
             pid, p = stood
         self._mapping(pid, p, addr, None)
+        if p.dead_since is not None and not p.sent_ns and self.sent is not None:
+            # Seen alive, gone since: its map_files went with it. The files the
+            # kernel said it mapped can still be opened, by path (sent_maps).
+            got = self.sent(pid)
+            if got is not None:
+                p.sent_ns = got[0]
+                p.files = [m for m in got[1] if m.handle]
         if p.files is None:
             p.files = [m for m in p.maps if m.handle]
         return p.files
@@ -675,6 +716,8 @@ class UserSymbols:
         i = bisect.bisect_right(p.starts, addr) - 1
         if i >= 0 and addr < p.maps[i].end:
             return p.maps[i]
+        if p.made_from_sent and self._sent_grew(pid, p):
+            return self._mapping(pid, p, addr, deadline)
         now = self._clock()
         if (p.dead_since is None and now - p.maps_read_at >= REREAD_S
                 and (deadline is None or now < deadline)):
@@ -740,7 +783,7 @@ class UserSymbols:
             if isinstance(syms, ElfSymbols):
                 p.tables[m.start] = (now, syms)
         if (syms is None or isinstance(syms, str)) and p.dead_since is None \
-                and self._start_time(pid) != p.start:
+                and (self._start_time(pid) != p.start or _ending(pid, self._proc_root)):
             # Gone since it was last asked about (its rows are read after it
             # ended, under the start time it had): a process seen alive for a
             # few milliseconds (an exec'd `sleep 0.01`) was `libc.so.6+0x…`.

@@ -25,7 +25,7 @@ from offtop.bpf.sent_maps import (
     SentMaps,
 )
 from offtop.elf import FILE_REPLACED, ElfCache
-from offtop.model import MARK_PROCESS_GONE
+from offtop.model import MARK_PROCESS_GONE, MARK_TRUNCATED
 from offtop.symbols import Mapping, UserSymbols, read_maps
 from offtop.unwind.cache import TableCache
 from tests.test_symbols import LIBC, _addr
@@ -261,3 +261,49 @@ def test_the_mappings_kept_are_bounded_in_all() -> None:
     assert sum(len(sent.mappings(pid)[1]) for pid in kept) <= MAX_TOTAL_MAPPINGS  # type: ignore[index]
     assert kept == list(range(procs - len(kept) + 1, procs + 1)) and len(kept) >= procs - 3
     assert sent.mappings(procs) is not None and len(sent.mappings(procs)[1]) == per  # type: ignore[index]
+
+
+def test_a_process_seen_alive_then_gone_is_unwound_in_the_files_the_kernel_sent() -> None:
+    """Its map was read alive (files to open through map_files, gone with it): once
+    it is found gone, the files its unwinding opens are the ones the kernel sent,
+    by path and checked (here a child `sleep`'s libc, as the kernel would give it)."""
+    child = subprocess.Popen(["/usr/bin/sleep", "5"])
+    try:
+        for _ in range(100):  # until it has exec'd and mapped libc
+            libc = [m for m in read_maps(child.pid) if m.module == "libc.so.6"]
+            if libc:
+                break
+            time.sleep(0.02)
+        from offtop.targets import task_start_time
+        start = task_start_time(child.pid)
+        u = UserSymbols()
+        u.see(child.pid)
+        st = os.stat(libc[0].path)
+        sent = [Mapping(m.start, m.end, m.offset, m.path, m.path, ident=(st.st_dev, st.st_ino))
+                for m in libc]
+        u.sent = {child.pid: (5, sent)}.get
+        assert all("/map_files/" in m.handle for m in u.file_mappings(child.pid, libc[0].start, start))
+    finally:
+        child.kill()
+        child.wait()
+    assert start
+    u.resolve_stack(child.pid, [libc[0].start], start=start)  # finds it gone
+    assert u.file_mappings(child.pid, libc[0].start, start) == sent
+
+
+def test_mappings_sent_after_a_gone_process_was_first_asked_about_are_taken() -> None:
+    """A process first asked about while it was still mapping its libraries (a stack
+    of it blocked in ld.so): an address outside the mappings then known is looked for
+    in those the kernel sent since, before it is cut as untrusted."""
+    m, getpid = _libc_of(os.getpid())
+    st = os.stat(m.path)
+    libc = Mapping(m.start, m.end, m.offset, m.path, m.path, ident=(st.st_dev, st.st_ino))
+    exe = Mapping(0x1000, 0x2000, 0, "/usr/bin/true", "/usr/bin/true", ident=(st.st_dev, 1))
+    answers: dict[int, tuple[int, list[Mapping]] | None] = {4242: (5, [exe])}
+    u = UserSymbols(start_time=lambda pid: None)
+    u.sent = answers.get
+    assert u.resolve_stack(4242, [getpid + 1])[0].name == MARK_TRUNCATED
+    answers[4242] = (5, [exe, libc])
+    assert u.resolve_stack(4242, [getpid + 1])[0].name in ("getpid", "__getpid")
+    answers[4242] = (6, [exe, libc, libc])  # another exec under the pid: not taken
+    assert u.resolve_stack(4242, [0x5000])[0].name == MARK_TRUNCATED

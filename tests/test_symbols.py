@@ -37,6 +37,7 @@ from offtop.symbols import (
     strip_tracer_frames,
 )
 from offtop.targets import task_start_time
+from tests.conftest import process_ended, wait_until
 
 LIBC = ctypes.CDLL("libc.so.6")
 
@@ -196,6 +197,35 @@ def test_a_process_seen_alive_then_gone_is_named_from_its_files_paths() -> None:
     assert theirs and start
     addr = getpid - ours.start + theirs[0].start
     frames = u.resolve_stack(child.pid, [addr], start=start)
+    assert frames[0].name in ("getpid", "__getpid") and frames[0].module == "libc.so.6", frames
+
+
+def test_a_process_seen_alive_that_ended_unreaped_is_named_from_its_files_paths() -> None:
+    """The same for a zombie (ended, its parent has not waited yet: a busy shell): its
+    start time still reads as it was, but its map_files went with its memory. It was
+    `libc.so.6+0x…`, kept so, beside two CPU hogs (the shell slow to reap)."""
+    getpid = _addr(LIBC.getpid)
+    (ours,) = [m for m in read_maps(os.getpid()) if m.start <= getpid < m.end]
+    child = subprocess.Popen(["/usr/bin/sleep", "5"])
+    try:
+        for _ in range(100):  # until it has exec'd and mapped libc
+            theirs = [m for m in read_maps(child.pid)
+                      if m.path == ours.path and m.offset == ours.offset]
+            if theirs:
+                break
+            time.sleep(0.02)
+        start = task_start_time(child.pid)
+        u = UserSymbols()
+        u.see(child.pid)
+        child.kill()
+        assert wait_until(lambda: process_ended(child.pid))
+        assert task_start_time(child.pid) == start  # a zombie: not reaped
+        addr = getpid - ours.start + theirs[0].start
+        frames = u.resolve_stack(child.pid, [addr], start=start)
+    finally:
+        child.kill()
+        child.wait()
+    assert theirs and start
     assert frames[0].name in ("getpid", "__getpid") and frames[0].module == "libc.so.6", frames
 
 

@@ -567,18 +567,23 @@ def test_exec_d_processes_gone_within_milliseconds_are_named_in_their_own_mappin
             wait_until(lambda: not (cg / "cgroup.procs").read_text().strip())
     # From the second snapshot: a process that exec'd before offtop's start has
     # no records (README, Known limits).
-    sleeps = [(st["user"], st["count"]) for s in snaps[1:] for st in s["stacks"]
-              if st["comm"] == "sleep"]
-    blocks = sum(n for _, n in sleeps)
-    named = sum(n for user, n in sleeps if user and user[0] == "clock_nanosleep")
-    whole = sum(n for user, n in sleeps if user[-3:-1] == ["__libc_start_call_main", "__libc_start_main"]
+    # Its sleep: the blocks in the kernel's nanosleep (beside busy CPUs a `sleep` is
+    # also preempted on its way, in ld.so, or waits in its exec while its user stack
+    # is still the shell's: those are not its sleep, and not counted here).
+    asleep = [(st["user"], st["count"]) for s in snaps[1:] for st in s["stacks"]
+              if st["comm"] == "sleep" and "do_nanosleep" in st["kernel"]]
+    blocks = sum(n for _, n in asleep)
+    named = sum(n for user, n in asleep if user and user[0] == "clock_nanosleep")
+    whole = sum(n for user, n in asleep if user[-3:-1] == ["__libc_start_call_main", "__libc_start_main"]
                 and MARK_TRUNCATED not in user)
-    assert blocks >= 100, sleeps
-    assert named == blocks, sleeps
+    assert blocks >= 100, asleep
+    assert named == blocks, [(u, n) for u, n in asleep if not u or u[0] != "clock_nanosleep"]
     # Whole as gdb shows `sleep 1000`'s (README): `clock_nanosleep ← nanosleep ←
-    # sleep+0x… ← … ← __libc_start_main ← sleep+0x…`, but where the probe sent no
-    # copy (copies are paced, 8 ms apart a CPU: offcpu.c copy_stack): cut there.
-    assert whole >= 0.7 * blocks, sleeps
+    # sleep+0x… ← … ← __libc_start_main ← sleep+0x…`, one seen alive for a moment
+    # too (its map_files gone with it: unwound in the files the kernel sent). Where
+    # the probe sent no copy (they are paced, 8 ms apart a CPU: offcpu.c copy_stack)
+    # the stack is cut, marked. Measured: 268 of 268, 273 of 273 blocks.
+    assert whole >= 0.9 * blocks, [(u, n) for u, n in asleep if MARK_TRUNCATED in u]
 
 
 def test_debian_pythons_forked_children_are_named_where_their_stacks_are_known(tmp_path: Path) -> None:

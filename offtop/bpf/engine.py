@@ -488,14 +488,16 @@ class BpfSource:
         the processes whose first stacks these are are seen at once
         (`StackStore.see_processes`): their program's unwinding rules taught
         before their threads block again, not a sub-tick later."""
-        if self._watch is not None:
-            self._watch.read()  # before the stacks: a process maps its files before it blocks
         ring = self._stack_ring
         stacks = self.frames.stacks
         if ring is None or stacks is None:
             return
         records: list[bytes] = []
         ring.drain(records)
+        if self._watch is not None:
+            # After the stacks: a process maps its files before it blocks, so each
+            # stack just read has its process's mapping records in by now.
+            self._watch.read()
         if records:
             copies: list[StackCopy] = []
             new = new_user_stacks(records, depth=self.config.ustack_depth, copies=copies)
