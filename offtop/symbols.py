@@ -521,7 +521,7 @@ class UserSymbols:
             start = self._start_time(pid)
         p = self._procs.get(pid)
         if p is not None:
-            if start is None and p.sent_ns and not self._sent_holds(pid, p):
+            if start is None and p.made_from_sent and not self._sent_holds(pid, p):
                 self._forget(pid)  # another process under the pid since
             elif start is None:  # gone: keep what we know, until the grace ends
                 if p.dead_since is None:

@@ -28,7 +28,7 @@ from offtop.elf import FILE_REPLACED, ElfCache
 from offtop.model import MARK_PROCESS_GONE, MARK_TRUNCATED
 from offtop.symbols import Mapping, UserSymbols, read_maps
 from offtop.unwind.cache import TableCache
-from tests.test_symbols import LIBC, _addr
+from tests.test_symbols import LIBC, _addr, a_sleep_seen_alive
 
 SEC = 1_000_000_000
 
@@ -267,28 +267,14 @@ def test_a_process_seen_alive_then_gone_is_unwound_in_the_files_the_kernel_sent(
     """Its map was read alive (files to open through map_files, gone with it): once
     it is found gone, the files its unwinding opens are the ones the kernel sent,
     by path and checked (here a child `sleep`'s libc, as the kernel would give it)."""
-    child = subprocess.Popen(["/usr/bin/sleep", "5"])
-    try:
-        for _ in range(100):  # until it has exec'd and mapped libc
-            libc = [m for m in read_maps(child.pid) if m.module == "libc.so.6"]
-            if libc:
-                break
-            time.sleep(0.02)
-        from offtop.targets import task_start_time
-        start = task_start_time(child.pid)
-        u = UserSymbols()
-        u.see(child.pid)
-        st = os.stat(libc[0].path)
-        sent = [Mapping(m.start, m.end, m.offset, m.path, m.path, ident=(st.st_dev, st.st_ino))
-                for m in libc]
+    with a_sleep_seen_alive() as (child, libc, start, u):
+        st = os.stat(libc.path)
+        sent = [Mapping(libc.start, libc.end, libc.offset, libc.path, libc.path,
+                        ident=(st.st_dev, st.st_ino))]
         u.sent = {child.pid: (5, sent)}.get
-        assert all("/map_files/" in m.handle for m in u.file_mappings(child.pid, libc[0].start, start))
-    finally:
-        child.kill()
-        child.wait()
-    assert start
-    u.resolve_stack(child.pid, [libc[0].start], start=start)  # finds it gone
-    assert u.file_mappings(child.pid, libc[0].start, start) == sent
+        assert all("/map_files/" in m.handle for m in u.file_mappings(child.pid, libc.start, start))
+    u.resolve_stack(child.pid, [libc.start], start=start)  # finds it gone
+    assert u.file_mappings(child.pid, libc.start, start) == sent
 
 
 def test_mappings_sent_after_a_gone_process_was_first_asked_about_are_taken() -> None:

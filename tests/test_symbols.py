@@ -7,6 +7,7 @@ test_hostile_files.py.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -173,15 +174,15 @@ def test_a_process_gone_before_first_sight_gives_a_marked_empty_stack() -> None:
     assert u.resolve_stack(4242, []) == ()
 
 
-def test_a_process_seen_alive_then_gone_is_named_from_its_files_paths() -> None:
-    """A process whose maps were read while it lived (an exec'd `sleep` seen within
-    milliseconds) and whose stack is read after it ended, under the start time it had:
-    its map_files links are gone with it, so its files are found by path, as for one
-    known gone (it was `libc.so.6+0x…` once its map_files could not be read)."""
-    getpid = _addr(LIBC.getpid)
-    (ours,) = [m for m in read_maps(os.getpid()) if m.start <= getpid < m.end]
+@contextlib.contextmanager
+def a_sleep_seen_alive() -> Iterator[tuple[subprocess.Popen[bytes], Mapping, int, UserSymbols]]:
+    """Debian's `sleep 5`, once it has exec'd and mapped libc: the process, its libc
+    mapping, its start time, and a symbolizer that has read its map (its first
+    sight). Killed and reaped on the way out, if it was not already."""
+    ours = _libc_of_mine()
     child = subprocess.Popen(["/usr/bin/sleep", "5"])
     try:
+        theirs: list[Mapping] = []
         for _ in range(100):  # until it has exec'd and mapped libc
             theirs = [m for m in read_maps(child.pid)
                       if m.path == ours.path and m.offset == ours.offset]
@@ -189,14 +190,34 @@ def test_a_process_seen_alive_then_gone_is_named_from_its_files_paths() -> None:
                 break
             time.sleep(0.02)
         start = task_start_time(child.pid)
+        assert theirs and start
         u = UserSymbols()
         u.see(child.pid)
+        yield child, theirs[0], start, u
     finally:
         child.kill()
         child.wait()
-    assert theirs and start
-    addr = getpid - ours.start + theirs[0].start
-    frames = u.resolve_stack(child.pid, [addr], start=start)
+
+
+def _libc_of_mine() -> Mapping:
+    getpid = _addr(LIBC.getpid)
+    (ours,) = [m for m in read_maps(os.getpid()) if m.start <= getpid < m.end]
+    return ours
+
+
+def _getpid_in(libc: Mapping) -> int:
+    """Where getpid is in another process's mapping of the same libc."""
+    return _addr(LIBC.getpid) - _libc_of_mine().start + libc.start
+
+
+def test_a_process_seen_alive_then_gone_is_named_from_its_files_paths() -> None:
+    """A process whose maps were read while it lived (an exec'd `sleep` seen within
+    milliseconds) and whose stack is read after it ended, under the start time it had:
+    its map_files links are gone with it, so its files are found by path, as for one
+    known gone (it was `libc.so.6+0x…` once its map_files could not be read)."""
+    with a_sleep_seen_alive() as (child, libc, start, u):
+        pass
+    frames = u.resolve_stack(child.pid, [_getpid_in(libc)], start=start)
     assert frames[0].name in ("getpid", "__getpid") and frames[0].module == "libc.so.6", frames
 
 
@@ -204,28 +225,11 @@ def test_a_process_seen_alive_that_ended_unreaped_is_named_from_its_files_paths(
     """The same for a zombie (ended, its parent has not waited yet: a busy shell): its
     start time still reads as it was, but its map_files went with its memory. It was
     `libc.so.6+0x…`, kept so, beside two CPU hogs (the shell slow to reap)."""
-    getpid = _addr(LIBC.getpid)
-    (ours,) = [m for m in read_maps(os.getpid()) if m.start <= getpid < m.end]
-    child = subprocess.Popen(["/usr/bin/sleep", "5"])
-    try:
-        for _ in range(100):  # until it has exec'd and mapped libc
-            theirs = [m for m in read_maps(child.pid)
-                      if m.path == ours.path and m.offset == ours.offset]
-            if theirs:
-                break
-            time.sleep(0.02)
-        start = task_start_time(child.pid)
-        u = UserSymbols()
-        u.see(child.pid)
+    with a_sleep_seen_alive() as (child, libc, start, u):
         child.kill()
         assert wait_until(lambda: process_ended(child.pid))
         assert task_start_time(child.pid) == start  # a zombie: not reaped
-        addr = getpid - ours.start + theirs[0].start
-        frames = u.resolve_stack(child.pid, [addr], start=start)
-    finally:
-        child.kill()
-        child.wait()
-    assert theirs and start
+        frames = u.resolve_stack(child.pid, [_getpid_in(libc)], start=start)
     assert frames[0].name in ("getpid", "__getpid") and frames[0].module == "libc.so.6", frames
 
 

@@ -266,7 +266,7 @@ class BpfSource:
         try:
             self.probe.load(self.flood.effective(self._user_threshold_ns))
             cpus = len(online_cpus())
-            make_room_for_files(2 * cpus)
+            make_room_for_files(3 * cpus)  # the event ring, new stacks, mapping records
             self._ring = PerfRing(
                 self.probe.set_perf_fd, wakeup_events=cfg.wakeup_events,
                 pages=ring_pages(cfg.perf_pages, cfg.perf_pages_total, cpus, least=16))
