@@ -41,6 +41,17 @@ def test_no_stand_in_without_a_note_or_after_an_exec() -> None:
     assert lineage(notes, starts).stand_in(200) is None
 
 
+def test_the_exec_of_the_process_now_under_a_pid_and_its_forker() -> None:
+    """What the kernel's mapping records are checked against (offtop.bpf.sent_maps):
+    when the process under a pid exec'd, and who forked it (0: not seen forking)."""
+    notes = {200: Forked(parent=100, fork_ns=50 * S, exec_ns=51 * S),
+             300: Forked(0, 0, 52 * S),  # an exec alone (forked before offtop started)
+             400: Forked(parent=100, fork_ns=53 * S, exec_ns=0)}  # forked, not exec'd
+    seen = lineage(notes, {})
+    assert seen.exec_of(200) == (51 * S, 100) and seen.exec_of(300) == (52 * S, 0)
+    assert seen.exec_of(400) is None and seen.exec_of(500) is None
+
+
 def test_a_pid_reused_since_the_fork_is_not_the_parent() -> None:
     notes = {200: Forked(parent=100, fork_ns=50 * S, exec_ns=0)}
     # Alive under pid 100, but started a second after the fork.

@@ -51,13 +51,15 @@ def mmap2(pid: int, ts: int, start: int, length: int, path: bytes, *, pgoff: int
 
 
 class Noted:
-    """The probe's notes of execs (Lineage.exec_of), by pid."""
+    """The probe's notes of execs (Lineage.exec_of), by pid: when, and forked by whom."""
 
     def __init__(self) -> None:
         self.execs: dict[int, int] = {}
+        self.forkers: dict[int, int] = {}
 
-    def __call__(self, pid: int) -> int | None:
-        return self.execs.get(pid)
+    def __call__(self, pid: int) -> tuple[int, int] | None:
+        t = self.execs.get(pid)
+        return None if t is None else (t, self.forkers.get(pid, 0))
 
 
 def store(noted: Noted, now: int = 70 * SEC) -> SentMaps:
@@ -118,6 +120,27 @@ def test_a_new_exec_starts_a_new_list_and_overlaps_replace() -> None:
     # Mappings older than the exec (of the program before it) are not taken.
     sent.take([mmap2(7, 59 * SEC, 0xA000, 0x1000, b"/bin/old")])
     assert [m.path for m in sent.mappings(7)[1]] == ["/bin/d"]  # type: ignore[index]
+
+
+def test_paths_of_a_process_forked_in_another_mount_namespace_go_through_its_forker_s_root(
+        tmp_path: Path) -> None:
+    """The kernel's path is the process's own view: forked by a process in another
+    mount namespace (a container's), its files are looked for through that one's root;
+    in this one, or by a process gone, as given."""
+    for pid, ns in (("self", "mnt:[1]"), ("30", "mnt:[1]"), ("31", "mnt:[2]")):
+        (tmp_path / pid / "ns").mkdir(parents=True)
+        (tmp_path / pid / "ns" / "mnt").symlink_to(ns)
+    noted = Noted()
+    sent = SentMaps(noted, now_ns=lambda: 70 * SEC, proc=str(tmp_path))
+    for pid in (7, 8, 9):
+        sent.take([comm_exec(pid, 50 * SEC), mmap2(pid, 50 * SEC + 1, 0x1000, 0x1000, b"/mnt/nsleep"),
+                   mmap2(pid, 50 * SEC + 2, 0x3000, 0x1000, b"//anon")])
+        noted.execs[pid] = 50 * SEC
+    noted.forkers.update({7: 30, 8: 31, 9: 32})
+    handles = {pid: [m.handle for m in sent.mappings(pid)[1]] for pid in (7, 8, 9)}  # type: ignore[index]
+    assert handles == {7: ["/mnt/nsleep", ""], 8: [f"{tmp_path}/31/root/mnt/nsleep", ""],
+                       9: ["/mnt/nsleep", ""]}
+    assert sent.mappings(8)[1][0].path == "/mnt/nsleep"  # type: ignore[index]
 
 
 def test_lost_records_drop_everything_and_the_store_is_bounded() -> None:

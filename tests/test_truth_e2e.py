@@ -586,6 +586,38 @@ def test_exec_d_processes_gone_within_milliseconds_are_named_in_their_own_mappin
     assert whole >= 0.9 * blocks, [(u, n) for u, n in asleep if MARK_TRUNCATED in u]
 
 
+def test_exec_d_processes_gone_at_once_in_another_mount_namespace_are_unwound_too() -> None:
+    # The same loop inside a mount namespace of its own (as a container's): its
+    # `sleep` is a copy on a tmpfs mounted at /mnt there, which this namespace does
+    # not see. The kernel gives the path as the process saw it, so the binary is
+    # found through the root of the shell that forked it (/proc/PID/root), its
+    # device and inode checked. Without it the binary's call-frame information could
+    # not be read: every stack was cut after its first frame in it (`clock_nanosleep
+    # ← nanosleep ← nsleep+0x64af ← [stack truncated]`, 2 of 272 blocks whole).
+    unshare = shutil.which("unshare")
+    assert unshare, "no unshare (util-linux)"
+    with fresh_cgroup("execs-ns") as cg:
+        loop = subprocess.Popen(
+            [unshare, "--mount", "--propagation", "private", "sh", "-c",
+             f"echo $$ > {cg}/cgroup.procs; mount -t tmpfs tmpfs /mnt && cp /usr/bin/sleep /mnt/nsleep"
+             " && while :; do /mnt/nsleep 0.01; done"], start_new_session=True)
+        try:
+            assert wait_until(lambda: str(loop.pid) in (cg / "cgroup.procs").read_text())
+            snaps = offtop_json("-c", str(cg), "--limit", "0", count=4)
+        finally:
+            os.killpg(loop.pid, signal.SIGKILL)
+            loop.wait(timeout=5)
+            wait_until(lambda: not (cg / "cgroup.procs").read_text().strip())
+    assert not os.path.exists("/mnt/nsleep")  # not in this namespace
+    asleep = [(st["user"], st["count"]) for s in snaps[1:] for st in s["stacks"]
+              if st["comm"] == "nsleep" and "do_nanosleep" in st["kernel"]]
+    blocks = sum(n for _, n in asleep)
+    whole = sum(n for user, n in asleep if user[-3:-1] == ["__libc_start_call_main", "__libc_start_main"]
+                and user[-1].startswith("nsleep+0x") and MARK_TRUNCATED not in user)
+    assert blocks >= 100, asleep
+    assert whole >= 0.9 * blocks, [(u, n) for u, n in asleep if MARK_TRUNCATED in u]
+
+
 def test_debian_pythons_forked_children_are_named_where_their_stacks_are_known(tmp_path: Path) -> None:
     # Debian's python3 (no frame pointers) forks children that sleep 2 ms and
     # exit. Their first frame is named in the parent's map. A child walks by its

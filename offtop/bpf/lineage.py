@@ -65,13 +65,14 @@ class Lineage:
         self._start_time = start_time
         self._ns_per_tick = ns_per_tick
 
-    def exec_of(self, pid: int) -> int | None:
+    def exec_of(self, pid: int) -> tuple[int, int] | None:
         """When the process now under `pid` exec'd (boot-clock ns), as the probe noted
-        it; None if it has no note, or was forked and has not exec'd since."""
+        it, and the process it was forked from (0: not seen forking); None if it has
+        no note, or was forked and has not exec'd since."""
         note = self._noted(pid)
         if note is None or not note.exec_ns or note.fork_ns > note.exec_ns:
             return None
-        return note.exec_ns
+        return note.exec_ns, note.parent if note.fork_ns else 0
 
     def stand_in(self, pid: int) -> tuple[int, int] | None:
         """A living process whose memory map `pid`'s user addresses mean the same in

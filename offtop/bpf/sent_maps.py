@@ -21,8 +21,11 @@ guess:
   before) has no list; a forked one is named in its forker's map instead
   (offtop.bpf.lineage);
 - files are opened by the path the kernel gave and used only while they are
-  the file that was mapped (device and inode, offtop.symbols): a path in
-  another mount namespace, or a file replaced since, gives no names.
+  the file that was mapped (device and inode, offtop.symbols): a file replaced
+  since gives no names. The path is the process's own view: one whose forker
+  lives in another mount namespace (a container's) is looked for through that
+  one's root (/proc/FORKER/root), which is the process's too unless it moved;
+  the device and inode say whether it is the same file.
 
 Bounded: MAX_PROCESSES processes (the oldest exec dropped first), each kept
 KEEP_NS after its exec, MAX_MAPPINGS mappings each, MAX_TOTAL_MAPPINGS in all
@@ -123,10 +126,12 @@ class SentMaps:
     offtop.bpf.lineage). `now_ns` reads the boot clock.
     """
 
-    def __init__(self, noted_exec: Callable[[int], int | None], *,
+    def __init__(self, noted_exec: Callable[[int], tuple[int, int] | None], *,
                  now_ns: Callable[[], int] = lambda: time.clock_gettime_ns(CLOCK_BOOTTIME),
-                 max_processes: int = MAX_PROCESSES) -> None:
+                 max_processes: int = MAX_PROCESSES, proc: str = "/proc") -> None:
         self._noted_exec = noted_exec
+        self._proc = proc
+        self._mount_ns = _mount_ns("self", proc)
         self._now_ns = now_ns
         self._max = max_processes
         self._procs: dict[int, _Sent] = {}  # in the order of their execs
@@ -178,9 +183,21 @@ class SentMaps:
         if s is None:
             return None
         noted = self._noted_exec(pid)
-        if noted is None or not 0 <= noted - s.exec_ns <= EXEC_SLACK_NS:
+        if noted is None or not 0 <= noted[0] - s.exec_ns <= EXEC_SLACK_NS:
             return None
-        return s.exec_ns, list(s.maps)
+        root = self._root_of(noted[1])
+        if not root:
+            return s.exec_ns, list(s.maps)
+        return s.exec_ns, [Mapping(m.start, m.end, m.offset, m.path, root + m.handle, ident=m.ident)
+                           if m.handle else m for m in s.maps]
+
+    def _root_of(self, forker: int) -> str:
+        """Where the paths a process forked by `forker` saw are, from here: "" if in
+        this mount namespace (or unknown), else /proc/FORKER/root."""
+        if not forker:
+            return ""
+        ns = _mount_ns(str(forker), self._proc)
+        return f"{self._proc}/{forker}/root" if ns and ns != self._mount_ns else ""
 
     def _exec(self, pid: int, ts: int) -> None:
         old = self._procs.pop(pid, None)
@@ -223,6 +240,14 @@ class SentMaps:
         procs = self._procs
         while procs and procs[next(iter(procs))].exec_ns < old:
             self._drop_oldest()
+
+
+def _mount_ns(pid: str, proc: str) -> str:
+    """The mount namespace of a process ("" if gone)."""
+    try:
+        return os.readlink(f"{proc}/{pid}/ns/mnt")
+    except OSError:
+        return ""
 
 
 def watch_attr() -> PerfEventAttr:
