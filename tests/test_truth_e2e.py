@@ -548,16 +548,16 @@ def test_forked_children_gone_within_a_millisecond_keep_their_names(workloads: A
     assert whole >= 0.95 * blocks, children
 
 
-def test_exec_d_processes_gone_within_milliseconds_are_named_in_their_own_mappings() -> None:
-    # A shell loop of Debian's `sleep 0.01`: each is a fresh exec that lives ~10 ms
-    # and blocks once; it is gone before offtop reads /proc, and, exec'd, it has no
-    # forker's memory to be named in. The kernel's records of its executable
-    # mappings (offtop.bpf.sent_maps) name it, and the copy of its stack's top the
-    # probe sent unwinds it in them (it had no rules: every walk stopped in libc).
-    # Before: every block `[not resolved: process gone]` but the few seen alive.
-    with fresh_cgroup("execs") as cg:
-        loop = subprocess.Popen(["sh", "-c", f"echo $$ > {cg}/cgroup.procs; "
-                                 "while :; do /usr/bin/sleep 0.01; done"], start_new_session=True)
+def sleeps_of_a_loop(name: str, argv: list[str], comm: str) -> list[tuple[list[str], int]]:
+    """A shell loop that execs a `sleep 0.01` again and again (`argv`: the shell, its
+    script joining the cgroup `{cg}` first), watched by `offtop -c` for 4 intervals:
+    the user stacks of the sleeps `comm` blocked in the kernel's nanosleep, and their
+    counts, from the second interval (a process that exec'd before offtop's start
+    has no records: README, Known limits). Beside busy CPUs a sleep is also preempted
+    on its way, in ld.so, or waits in its exec while its user stack is still the
+    shell's: those are not its sleep, and not counted."""
+    with fresh_cgroup(name) as cg:
+        loop = subprocess.Popen([a.replace("{cg}", str(cg)) for a in argv], start_new_session=True)
         try:
             assert wait_until(lambda: str(loop.pid) in (cg / "cgroup.procs").read_text())
             snaps = offtop_json("-c", str(cg), "--limit", "0", count=4)
@@ -565,13 +565,19 @@ def test_exec_d_processes_gone_within_milliseconds_are_named_in_their_own_mappin
             os.killpg(loop.pid, signal.SIGKILL)
             loop.wait(timeout=5)
             wait_until(lambda: not (cg / "cgroup.procs").read_text().strip())
-    # From the second snapshot: a process that exec'd before offtop's start has
-    # no records (README, Known limits).
-    # Its sleep: the blocks in the kernel's nanosleep (beside busy CPUs a `sleep` is
-    # also preempted on its way, in ld.so, or waits in its exec while its user stack
-    # is still the shell's: those are not its sleep, and not counted here).
-    asleep = [(st["user"], st["count"]) for s in snaps[1:] for st in s["stacks"]
-              if st["comm"] == "sleep" and "do_nanosleep" in st["kernel"]]
+    return [(st["user"], st["count"]) for s in snaps[1:] for st in s["stacks"]
+            if st["comm"] == comm and "do_nanosleep" in st["kernel"]]
+
+
+def test_exec_d_processes_gone_within_milliseconds_are_named_in_their_own_mappings() -> None:
+    # A shell loop of Debian's `sleep 0.01`: each is a fresh exec that lives ~10 ms
+    # and blocks once; it is gone before offtop reads /proc, and, exec'd, it has no
+    # forker's memory to be named in. The kernel's records of its executable
+    # mappings (offtop.bpf.sent_maps) name it, and the copy of its stack's top the
+    # probe sent unwinds it in them (it had no rules: every walk stopped in libc).
+    # Before: every block `[not resolved: process gone]` but the few seen alive.
+    asleep = sleeps_of_a_loop("execs", ["sh", "-c", "echo $$ > {cg}/cgroup.procs; "
+                                         "while :; do /usr/bin/sleep 0.01; done"], "sleep")
     blocks = sum(n for _, n in asleep)
     named = sum(n for user, n in asleep if user and user[0] == "clock_nanosleep")
     whole = sum(n for user, n in asleep if user[-3:-1] == ["__libc_start_call_main", "__libc_start_main"]
@@ -596,21 +602,11 @@ def test_exec_d_processes_gone_at_once_in_another_mount_namespace_are_unwound_to
     # ← nanosleep ← nsleep+0x64af ← [stack truncated]`, 2 of 272 blocks whole).
     unshare = shutil.which("unshare")
     assert unshare, "no unshare (util-linux)"
-    with fresh_cgroup("execs-ns") as cg:
-        loop = subprocess.Popen(
-            [unshare, "--mount", "--propagation", "private", "sh", "-c",
-             f"echo $$ > {cg}/cgroup.procs; mount -t tmpfs tmpfs /mnt && cp /usr/bin/sleep /mnt/nsleep"
-             " && while :; do /mnt/nsleep 0.01; done"], start_new_session=True)
-        try:
-            assert wait_until(lambda: str(loop.pid) in (cg / "cgroup.procs").read_text())
-            snaps = offtop_json("-c", str(cg), "--limit", "0", count=4)
-        finally:
-            os.killpg(loop.pid, signal.SIGKILL)
-            loop.wait(timeout=5)
-            wait_until(lambda: not (cg / "cgroup.procs").read_text().strip())
+    asleep = sleeps_of_a_loop("execs-ns", [
+        unshare, "--mount", "--propagation", "private", "sh", "-c",
+        "echo $$ > {cg}/cgroup.procs; mount -t tmpfs tmpfs /mnt && cp /usr/bin/sleep /mnt/nsleep"
+        " && while :; do /mnt/nsleep 0.01; done"], "nsleep")
     assert not os.path.exists("/mnt/nsleep")  # not in this namespace
-    asleep = [(st["user"], st["count"]) for s in snaps[1:] for st in s["stacks"]
-              if st["comm"] == "nsleep" and "do_nanosleep" in st["kernel"]]
     blocks = sum(n for _, n in asleep)
     whole = sum(n for user, n in asleep if user[-3:-1] == ["__libc_start_call_main", "__libc_start_main"]
                 and user[-1].startswith("nsleep+0x") and MARK_TRUNCATED not in user)
