@@ -48,7 +48,7 @@ from offtop.model import MARK_PROCESS_GONE, MARK_TRUNCATED, Frame
 from offtop.packed_strings import PackedStrings
 from offtop.safe_files import UNREADABLE, FileRefused, open_regular, read_proc_file
 from offtop.safe_text import decode
-from offtop.targets import task_start_time
+from offtop.targets import task_ending, task_start_time
 
 #: Kernel frames added by the tracer itself, stripped from the innermost end.
 TRACER_FRAME_PREFIXES = (
@@ -261,25 +261,6 @@ def read_maps(pid: int, proc: str = "/proc", *, errors: Counter[str] | None = No
     return out
 
 
-#: task flags (/proc/PID/stat's 9th field): the task is exiting.
-PF_EXITING = 0x4
-
-
-def _ending(pid: int, proc: str = "/proc") -> bool:
-    """Whether a process is exiting or has ended but is not reaped yet: its start
-    time still reads as it was, but its memory, map_files included, is gone (or
-    going: it goes before the process is a zombie)."""
-    try:
-        data, _ = read_proc_file(f"{proc}/{pid}/stat", 4096)
-    except FileRefused:
-        return False
-    rest = data[data.rfind(b")") + 2:].split()
-    try:
-        return rest[0] in (b"Z", b"X") or bool(int(rest[6]) & PF_EXITING)
-    except (IndexError, ValueError):
-        return False
-
-
 def process_euid(pid: int, proc: str = "/proc") -> int | None:
     """The effective uid of a process (from /proc/PID/status), or None if gone."""
     try:
@@ -488,7 +469,7 @@ class UserSymbols:
         self.stood_in = 0
         #: A gone process's exec time and executable mappings as the kernel sent
         #: them (None: not known whole); set by the engine (offtop.bpf.sent_maps).
-        self.sent: Callable[[int], tuple[int, list[Mapping]] | None] | None = None
+        self.sent: Callable[[int], tuple[int, list[Mapping]] | None] = lambda pid: None
         #: Processes gone before their first sight named in the mappings the kernel sent.
         self.from_sent = 0
         # pid -> (when asked, the answer): a gone process's stacks and their
@@ -536,7 +517,7 @@ class UserSymbols:
         if len(self._procs) >= self._max:
             self.evict(force=True)
         p = self._new_proc(pid, start)
-        if not p.maps and self.sent is not None:
+        if not p.maps:
             # Seen alive (its start is known) but gone, or a zombie (its start
             # still readable, its map empty), before its map was read.
             sent = self._sent_proc(pid, start)
@@ -548,7 +529,7 @@ class UserSymbols:
     def _sent_proc(self, pid: int, start: int) -> _Proc | None:
         """A gone process's cache made from the mappings the kernel sent, if known
         (`start`: its start time, -1 if unknown)."""
-        got = self.sent(pid) if self.sent is not None else None
+        got = self.sent(pid)
         if got is None:
             return None
         exec_ns, maps = got
@@ -567,7 +548,7 @@ class UserSymbols:
         now = self._clock()
         if now - p.maps_read_at < REREAD_S:
             return True
-        got = self.sent(pid) if self.sent is not None else None
+        got = self.sent(pid)
         if got is None or got[0] != p.sent_ns:
             return False
         p.maps_read_at = now
@@ -577,7 +558,7 @@ class UserSymbols:
         """Whether the kernel sent more mappings of this process since its cache was
         made from them (it was first asked about while still mapping its libraries);
         if so they are its cache's now."""
-        got = self.sent(pid) if self.sent is not None else None
+        got = self.sent(pid)
         if got is None or got[0] != p.sent_ns or len(got[1]) <= len(p.maps):
             return False
         p.maps, p.starts = got[1], [m.start for m in got[1]]
@@ -630,7 +611,7 @@ class UserSymbols:
                 return []
             pid, p = stood
         self._mapping(pid, p, addr, None)
-        if p.dead_since is not None and not p.sent_ns and self.sent is not None:
+        if p.dead_since is not None and not p.sent_ns:
             # Seen alive, gone since: its map_files went with it. The files the
             # kernel said it mapped can still be opened, by path (sent_maps).
             got = self.sent(pid)
@@ -783,14 +764,15 @@ class UserSymbols:
             if isinstance(syms, ElfSymbols):
                 p.tables[m.start] = (now, syms)
         if (syms is None or isinstance(syms, str)) and p.dead_since is None \
-                and (self._start_time(pid) != p.start or _ending(pid, self._proc_root)):
+                and (self._start_time(pid) != p.start or task_ending(pid, self._proc_root)):
             # Gone since it was last asked about (its rows are read after it
             # ended, under the start time it had): a process seen alive for a
             # few milliseconds (an exec'd `sleep 0.01`) was `libc.so.6+0x…`.
             p.dead_since = now
         if (syms is None or isinstance(syms, str)) and p.dead_since is not None \
-                and not m.path.endswith(" (deleted)"):
-            # map_files are gone with the process
+                and m.handle != m.path and not m.path.endswith(" (deleted)"):
+            # map_files are gone with the process (a mapping the kernel sent may
+            # be opened by its very path already: not asked twice)
             syms = self.elf.get(m.path, deadline=deadline, expect=m.ident)
         if syms is None or isinstance(syms, str):
             cause = syms or UNREADABLE

@@ -15,19 +15,38 @@ from dataclasses import dataclass
 
 from offtop.safe_files import read_proc_small
 
+#: task flags (/proc/PID/stat's 9th field): the task is exiting.
+PF_EXITING = 0x4
 
-def task_start_time(tid: int, proc: str = "/proc") -> int | None:
-    """The start time of a process or thread (clock ticks since boot), None if gone."""
+
+def _stat_fields(tid: int, proc: str) -> list[bytes] | None:
+    """/proc/TID/stat's fields from the state on (the 3rd), None if gone."""
     try:
         data = read_proc_small(f"{proc}/{tid}/stat")
     except OSError:
         return None
     # comm may hold spaces and ')': the fields start after the last ')'.
-    rest = data[data.rfind(b")") + 2:].split()
+    return data[data.rfind(b")") + 2:].split()
+
+
+def task_start_time(tid: int, proc: str = "/proc") -> int | None:
+    """The start time of a process or thread (clock ticks since boot), None if gone."""
+    rest = _stat_fields(tid, proc)
     try:
-        return int(rest[19])
+        return int(rest[19]) if rest is not None else None
     except (IndexError, ValueError):
         return None
+
+
+def task_ending(tid: int, proc: str = "/proc") -> bool:
+    """Whether a task is exiting or has ended but is not reaped yet: its start time
+    still reads as it was, but its memory, map_files included, is gone (or going:
+    it goes before the task is a zombie)."""
+    rest = _stat_fields(tid, proc)
+    try:
+        return rest is not None and (rest[0] in (b"Z", b"X") or bool(int(rest[6]) & PF_EXITING))
+    except (IndexError, ValueError):
+        return False
 
 
 def cgroup_inode(path: str) -> int | None:

@@ -331,7 +331,8 @@ class BpfSource:
         sight is named in its own. Without them (an older kernel, a locked-down perf),
         such a process is not named, as before."""
         cfg = self.config
-        if not cfg.sent_map_pages or self._usyms is None or self._ring is None:
+        assert self._usyms is not None
+        if not cfg.sent_map_pages:
             return
         try:
             self._watch = MappingWatch(SentMaps(lineage.exec_of), pages=ring_pages(

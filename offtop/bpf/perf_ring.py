@@ -36,7 +36,7 @@ PERF_EVENT_IOC_DISABLE = 0x2401
 PERF_RECORD_LOST = 2
 PERF_RECORD_SAMPLE = 9
 # perf_event_attr flag bits (the bitfield after read_format).
-_ATTR_DISABLED = 1 << 0
+ATTR_DISABLED = 1 << 0
 _ATTR_WATERMARK = 1 << 14
 
 _HEADER = struct.Struct("<IHH")  # perf_event_header: type, misc, size
@@ -166,7 +166,7 @@ class PerfRing:
                 attr.config = PERF_COUNT_SW_BPF_OUTPUT
                 attr.sample_period = 1
                 attr.sample_type = PERF_SAMPLE_RAW
-                attr.flags = _ATTR_DISABLED
+                attr.flags = ATTR_DISABLED
                 attr.wakeup_events = max(1, wakeup_events)
             for cpu in online_cpus():
                 fd = syscalls.perf_event_open(attr, -1, cpu, -1, PERF_FLAG_FD_CLOEXEC)
@@ -220,12 +220,7 @@ class PerfRing:
         `max_records` in all), so it returns even while producers flood.
         Lost-record notices are added to `self.lost`.
         """
-        n = 0
-        for r in self._rings:
-            n += self._drain_one(r, out, max_records - n)
-            if n >= max_records:
-                break
-        return n
+        return self._drain_all(out, max_records)
 
     def drain_unpacked(self, out: list[tuple[Any, ...]], record: struct.Struct, *,
                        max_records: int = 1 << 20) -> int:
@@ -236,21 +231,21 @@ class PerfRing:
         are checked header by header with strided byte comparisons and
         decoded with a single `iter_unpack`, not one Python step per record.
         """
-        n = 0
-        for r in self._rings:
-            n += self._drain_one(r, out, max_records - n, record)
-            if n >= max_records:
-                break
-        return n
+        return self._drain_all(out, max_records, record)
 
     def drain_records(self, out: list[tuple[int, int, bytes]], *,
                       max_records: int = 1 << 20) -> int:
         """Like `drain`, but append every record but LOST ones whole, as (type,
         misc, the record's bytes, its header included): for events whose
         records are not samples (`attr`)."""
+        return self._drain_all(out, max_records, whole=True)
+
+    def _drain_all(self, out: list[Any], max_records: int, record: struct.Struct | None = None,
+                   *, whole: bool = False) -> int:
+        """Each ring in turn (`_drain_one`), `max_records` at most in all."""
         n = 0
         for r in self._rings:
-            n += self._drain_one(r, out, max_records - n, whole=True)
+            n += self._drain_one(r, out, max_records - n, record, whole=whole)
             if n >= max_records:
                 break
         return n

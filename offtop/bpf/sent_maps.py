@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from offtop.bpf.perf_ring import PERF_TYPE_SOFTWARE, PerfEventAttr, PerfRing
+from offtop.bpf.perf_ring import ATTR_DISABLED, PERF_TYPE_SOFTWARE, PerfEventAttr, PerfRing
 from offtop.safe_text import decode
 from offtop.symbols import Mapping
 
@@ -58,8 +58,7 @@ PERF_SAMPLE_TID = 1 << 1
 PERF_SAMPLE_TIME = 1 << 2
 CLOCK_BOOTTIME = 7  # the probe's clock (bpf_ktime_get_boot_ns), /proc's start times'
 
-# perf_event_attr flag bits.
-_DISABLED = 1 << 0
+# perf_event_attr flag bits (beside perf_ring's).
 _EXCLUDE_KERNEL = 1 << 5
 _EXCLUDE_HV = 1 << 6
 _MMAP = 1 << 8
@@ -137,8 +136,7 @@ class SentMaps:
         self._procs: dict[int, _Sent] = {}  # in the order of their execs
         self._total = 0  # mappings kept, all processes together
         self._paths: dict[str, str] = {}  # one string per path, shared by processes
-        #: Records taken in; times everything kept was dropped for lost records.
-        self.records = 0
+        #: Times everything kept was dropped for lost records.
         self.resets = 0
 
     def __len__(self) -> int:
@@ -152,7 +150,6 @@ class SentMaps:
         """Take in a batch of records, in any order across CPUs (each has its time)."""
         mmaps: list[tuple[int, int, Mapping]] = []
         for typ, misc, body in records:
-            self.records += 1
             if typ == PERF_RECORD_COMM and misc & PERF_RECORD_MISC_COMM_EXEC:
                 if len(body) >= _HEADER_SIZE + _PIDS.size + _SAMPLE_ID.size:
                     pid = _PIDS.unpack_from(body, _HEADER_SIZE)[0]
@@ -259,7 +256,7 @@ def watch_attr() -> PerfEventAttr:
     attr.config = PERF_COUNT_SW_DUMMY
     attr.sample_period = 1
     attr.sample_type = PERF_SAMPLE_TID | PERF_SAMPLE_TIME
-    attr.flags = (_DISABLED | _EXCLUDE_KERNEL | _EXCLUDE_HV | _MMAP | _COMM
+    attr.flags = (ATTR_DISABLED | _EXCLUDE_KERNEL | _EXCLUDE_HV | _MMAP | _COMM
                   | _SAMPLE_ID_ALL | _MMAP2 | _COMM_EXEC | _USE_CLOCKID)
     attr.clockid = CLOCK_BOOTTIME
     return attr

@@ -306,8 +306,10 @@ class UserStackRepair:
     def _unwind_gone(self, pid: int, copy: StackCopy) -> UnwindResult | None:
         """A gone process's copy unwound in its memory map, if one is known."""
         maps = self._maps(pid, copy.pc, 0)
-        if not maps:
-            return None
+        return self._unwind_copy(pid, copy, maps) if maps else None
+
+    def _unwind_copy(self, pid: int, copy: StackCopy, maps: Sequence[FileMapping]) -> UnwindResult:
+        """The stack a copy of its top holds, walked in `maps` (the copy is the memory)."""
         return self._unwinder.unwind(pid, 0, copy.pc, copy.sp, copy.bp,
                                      mem=CopiedStack(copy.sp, copy.data), maps=maps)
 
@@ -339,9 +341,8 @@ class UserStackRepair:
             return 0, None
         maps = self._first_sight(pid, start, copy.pc)
         taught = self._taught.setdefault(pid, {})
-        walked = self._unwinder.unwind(
-            pid, 0, copy.pc, copy.sp, copy.bp, mem=CopiedStack(copy.sp, copy.data),
-            maps=maps if maps is not None else self._maps(pid, copy.pc, start))
+        walked = self._unwind_copy(
+            pid, copy, maps if maps is not None else self._maps(pid, copy.pc, start))
         before = self.stats.rules_taught
         for i, addr in enumerate(walked.addresses):
             if addr not in taught:
