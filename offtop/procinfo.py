@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import psutil
 
 from offtop.safe_text import decode, redecode
+from offtop.targets import task_start_time
 
 #: Bytes of a command line kept. Its arguments are the process's to choose,
 #: and the kernel allows megabytes of them.
@@ -48,7 +49,7 @@ class ProcessInfoCache:
     """Looks each process up once per (pid, create time); bounded."""
 
     def __init__(self, max_entries: int = 8192) -> None:
-        self._cache: dict[tuple[int, float], ProcessInfo] = {}
+        self._cache: dict[tuple[int, int], ProcessInfo] = {}
         self._max = max_entries
 
     def forget_gone(self, start_time: Callable[[int], int | None]) -> int:
@@ -64,18 +65,28 @@ class ProcessInfoCache:
         return None if info is None else (info.user, info.cmdline)
 
     def get(self, pid: int) -> ProcessInfo | None:
-        """Metadata of a live process, or None when it is gone or hidden."""
+        """Metadata of a live process, or None when it is gone or hidden.
+
+        A hit costs one read of the task's own stat (`task_start_time`): psutil
+        reads /proc/PID/stat, which sums every thread's counters (1.25 ms for a
+        process of 20,000 threads), and is asked only on a miss."""
+        start = task_start_time(pid)
+        if start is None:
+            return None
+        key = (pid, start)
+        info = self._cache.get(key)
+        if info is not None:
+            return info
         try:
             proc = psutil.Process(pid)
-            key = (pid, proc.create_time())
-            info = self._cache.get(key)
-            if info is None:
-                with proc.oneshot():
-                    user = redecode(proc.username())
-                    cmdline = read_cmdline(pid) or f"[{redecode(proc.name())}]"
-                if len(self._cache) >= self._max:
-                    self._cache.clear()
-                info = self._cache[key] = ProcessInfo(pid=pid, user=user, cmdline=cmdline)
-            return info
+            with proc.oneshot():
+                user = redecode(proc.username())
+                cmdline = read_cmdline(pid) or f"[{redecode(proc.name())}]"
         except (psutil.Error, OSError, KeyError):
             return None
+        if task_start_time(pid) != start:
+            return None  # the pid is another process's by now
+        if len(self._cache) >= self._max:
+            self._cache.clear()
+        info = self._cache[key] = ProcessInfo(pid=pid, user=user, cmdline=cmdline)
+        return info

@@ -20,9 +20,14 @@ PF_EXITING = 0x4
 
 
 def _stat_fields(tid: int, proc: str) -> list[bytes] | None:
-    """/proc/TID/stat's fields from the state on (the 3rd), None if gone."""
+    """The task's own stat fields from the state on (the 3rd), None if gone.
+
+    Read from /proc/TID/task/TID/stat, not /proc/TID/stat: the two agree on
+    the fields read here (state, flags, start time: the task's own), but the
+    latter sums every thread's counters for a process, in the kernel, under
+    its lock: 1.25 ms for a process of 20,000 threads against 7 µs."""
     try:
-        data = read_proc_small(f"{proc}/{tid}/stat")
+        data = read_proc_small(f"{proc}/{tid}/task/{tid}/stat")
     except OSError:
         return None
     # comm may hold spaces and ')': the fields start after the last ')'.

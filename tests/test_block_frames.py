@@ -80,10 +80,20 @@ def test_warming_past_its_deadline_does_nothing() -> None:
 
 
 class FakeUnwinder:
-    """Every blocked thread unwinds to the same two addresses, to the stack's end."""
+    """Every blocked thread unwinds to the same two addresses, to the stack's end.
+    Records the maps each walk was given, and counts reads of a process's maps."""
+
+    def __init__(self) -> None:
+        self.maps_read: list[int] = []
+        self.walked_with: list[Any] = []
+
+    def read_maps(self, pid: int) -> list[str]:
+        self.maps_read.append(pid)
+        return [f"maps of {pid}, read {len(self.maps_read)}"]
 
     def unwind_blocked(self, pid: int, tid: int, bp: int | None = None, *,
-                       saved: Any = None) -> UnwindResult:
+                       saved: Any = None, maps: Any = None) -> UnwindResult:
+        self.walked_with.append(maps)
         return UnwindResult((0x1000, 0x2000), StopReason.OUTERMOST)
 
 
@@ -119,14 +129,34 @@ def test_an_unwound_block_is_symbolized_until_every_frame_is_named_then_kept() -
     assert stacks.frames(70, 1234, None) is None and symbols.calls == 3
 
 
+def test_a_process_s_maps_are_read_once_a_pass_over_its_blocked_threads() -> None:
+    """A process of 5,000 idle threads has a maps file of ~0.5 MB (a mapping per
+    thread's stack): read once per thread, each pass took ~6 ms a thread."""
+    unwinder = FakeUnwinder()
+    stacks = UnwoundStacks(unwinder, FakeSymbols(), clock=FakeClock())  # type: ignore[arg-type]
+    stacks.new_pass()
+    for tid in (70, 71, 72):
+        assert stacks.unwind(7, tid, 1234, 0, until=1.0)
+    assert stacks.unwind(8, 80, 1234, 0, until=1.0)
+    assert unwinder.maps_read == [7, 8]
+    assert unwinder.walked_with == [["maps of 7, read 1"]] * 3 + [["maps of 8, read 2"]]
+    stacks.new_pass()  # the next snapshot: the maps may have changed since
+    assert stacks.unwind(7, 73, 1234, 0, until=1.0)
+    assert unwinder.maps_read == [7, 8, 7]
+    assert unwinder.walked_with[-1] == ["maps of 7, read 3"]
+
+
 class FailingUnwinder:
     """A thread whose registers cannot be read (another user's /proc files). Counts calls."""
 
     def __init__(self) -> None:
         self.calls = 0
 
+    def read_maps(self, pid: int) -> list[str]:
+        return []
+
     def unwind_blocked(self, pid: int, tid: int, bp: int | None = None, *,
-                       saved: Any = None) -> UnwindResult:
+                       saved: Any = None, maps: Any = None) -> UnwindResult:
         self.calls += 1
         return UnwindResult((), StopReason.NOT_BLOCKED)
 

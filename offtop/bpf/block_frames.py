@@ -122,6 +122,7 @@ class BlockFrames:
         if self.unwound is None:
             return
         until = self._clock() + budget_s
+        self.unwound.new_pass()
         for tid, b in self.before.blocks():
             if self._clock() > until:
                 break
@@ -174,6 +175,8 @@ class BlockFrames:
         # Once a stop's time to resolve is over, only what is known already is shown.
         hurried = self.gave_up()
         unwinding = Budget(unwind_budget_s, self._clock)
+        if self.unwound is not None:
+            self.unwound.new_pass()
         if self.python is not None and not hurried:
             self.python.read(BlockedThread(b.pid, b.tid, b.ts, b.ustack) for b in rows
                              if accepts(b.pid, b.tid))

@@ -33,10 +33,13 @@ from offtop.bpf.decode import (
     AccRecord,
     AggKey,
     AggValue,
+    RecordFields,
     StartRecord,
     free_slot,
     generation_sums,
+    owned_slot_fields,
     owned_slots,
+    record_fields,
     stack_addresses,
 )
 from offtop.bpf.lineage import Forked, decode_forked
@@ -407,6 +410,20 @@ class Probe:
         out = [(int(v.tid), v, i) for i, v in slots]
         out += [(_U32.unpack(k)[0], StartRecord.from_buffer_copy(v), -1)
                 for k, v in self._map("offcpu_start").items()]
+        return out
+
+    def thread_fields(self) -> list[RecordFields]:
+        """`thread_records`, as (ts, tid, tgid, state, ustack, kstack, ubp, slot) tuples
+        decoded in bulk (what `BlockedNowReader` reads at every snapshot)."""
+        assert self.slots_mm is not None and self._taken_mm is not None
+        out = owned_slot_fields(self.slots_mm, self._taken_mm, self.config.start_entries)
+        table = self._map("offcpu_start")
+        raw = table.items_raw()
+        if raw is not None:
+            out += record_fields(raw[1], raw[2])
+        else:
+            values = b"".join(v for _k, v in table.items())
+            out += record_fields(values, len(values) // ct.sizeof(StartRecord))
         return out
 
     def free_record(self, tid: int, slot: int) -> None:

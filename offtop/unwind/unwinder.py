@@ -210,15 +210,16 @@ class Unwinder:
         return UnwindResult(tuple(addrs), reason)
 
     def unwind_blocked(self, pid: int, tid: int, bp: int | None = None, *,
-                       saved: Callable[[int], SavedRegs | None] | None = None) -> UnwindResult:
+                       saved: Callable[[int], SavedRegs | None] | None = None,
+                       maps: Sequence[FileMapping] | None = None) -> UnwindResult:
         """Walk a thread blocked in the kernel, from its /proc registers.
 
         /proc has no rbp: `bp` is the one the caller knows, else `saved(tid)`
         may give the registers the kernel saved (offtop.bpf.task_regs), used
-        only if its pc and sp are the ones /proc shows. The thread's
-        scheduler statistics and registers are read before and after the
-        walk: if they differ, it ran meanwhile, its stack may have changed
-        under the walk, and nothing is returned.
+        only if its pc and sp are the ones /proc shows; `maps` as for `unwind`.
+        The thread's scheduler statistics and registers are read before and
+        after the walk: if they differ, it ran meanwhile, its stack may have
+        changed under the walk, and nothing is returned.
         """
         before = _sched_marker(pid, tid)
         r = read_syscall_regs(pid, tid)
@@ -229,11 +230,15 @@ class Unwinder:
             if got is not None and got.pc == r.pc and got.sp == r.sp:
                 bp = got.bp
                 self.saved_rbp += 1
-        result = self.unwind(pid, tid, r.pc, r.sp, bp, regs=r.leaf_registers())
+        result = self.unwind(pid, tid, r.pc, r.sp, bp, regs=r.leaf_registers(), maps=maps)
         if _sched_marker(pid, tid) != before or read_syscall_regs(pid, tid) != r:
             self.stops[result.stop_reason] -= 1
             return self._count(UnwindResult((), StopReason.THREAD_RAN))
         return result
+
+    def read_maps(self, pid: int) -> Sequence[FileMapping]:
+        """The executable file mappings of process `pid`, as `unwind` reads them."""
+        return self._read_maps(pid)
 
     def rule_for(self, pid: int, addr: int, *, exact: bool,
                  maps: Sequence[FileMapping] | None = None) -> Rule | None:
