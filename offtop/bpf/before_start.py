@@ -24,8 +24,8 @@ from offtop.proc_tasks import SchedClock, blocked_tasks, exec_start_ns
 class Seeding(Protocol):
     """What BeforeStart needs of the probe (`offtop.bpf.probe.Probe`)."""
 
-    def record_of(self, tid: int) -> StartRecord | None:
-        """The probe's record of a thread, if any."""
+    def recorded_tids(self) -> set[int]:
+        """The threads the probe has a record of (read in bulk)."""
         ...
 
     def seed_record(self, tid: int, rec: StartRecord) -> bool:
@@ -71,9 +71,14 @@ class BeforeStart:
         armed_at = time.monotonic_ns()
         found = blocked_tasks(self._letters, accept=self._accept, kthreads=self._kthreads,
                               clock=SchedClock(), deadline=time.monotonic() + self._budget)
+        # Read once, after the walk: a thread that switched out since it was
+        # found has a record, or has run (its exec_start moved: checked below).
+        recorded = self._probe.recorded_tids()
+        # Threads of one pool wait in the same place: one tuple of frames per stack.
+        kernels: dict[tuple[str, ...], tuple[Frame, ...]] = {}
         seeded = []
         for t in found:
-            if self._probe.record_of(t.tid) is not None:
+            if t.tid in recorded:
                 continue  # the probe saw it switch out: its record is the truth
             ts = t.since_ns if t.since_ns is not None and t.since_ns < armed_at else armed_at
             rec = StartRecord(ts=ts, tid=t.tid, tgid=t.pid,
@@ -81,7 +86,10 @@ class BeforeStart:
                               ustack=-1, kstack=-1, cg_gen=0xFFFFFFFF,
                               skip=REC_SEEDED | (0 if self._user_stacks else REC_NO_USER))
             if self._probe.seed_record(t.tid, rec):
-                kernel = tuple(Frame(name=n, module="kernel", kernel=True) for n in t.kernel)
+                kernel = kernels.get(t.kernel)
+                if kernel is None:
+                    kernel = kernels[t.kernel] = tuple(
+                        Frame(name=n, module="kernel", kernel=True) for n in t.kernel)
                 self._blocks[t.tid] = Before(ts, kernel, t.pid)
                 seeded.append((t, ts))
         for t, ts in seeded:

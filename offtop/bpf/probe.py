@@ -339,6 +339,10 @@ class Probe:
         replacing one the program made); True if written."""
         return self._map("offcpu_start").try_update(_U32.pack(tid), bytes(rec), BPF_NOEXIST) == 0
 
+    def recorded_tids(self) -> set[int]:
+        """The threads with a record, slot or overflow hash (read in bulk)."""
+        return {f[1] for f in self.thread_fields()}
+
     def record_of(self, tid: int) -> StartRecord | None:
         """The record of one thread, wherever it is (slot or overflow hash)."""
         assert self.slots_mm is not None

@@ -1,0 +1,68 @@
+"""BeforeStart.seed: threads blocked before offtop started, found in the real /proc and
+handed to a fake probe (what is seeded, not what the kernel does with it: the BPF
+end-to-end tests cover that)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from offtop.bpf.before_start import BeforeStart
+from offtop.bpf.decode import StartRecord
+
+
+class FakeProbe:
+    """Records seeded records; `recorded` are the threads it already has a record of."""
+
+    def __init__(self, recorded: set[int]) -> None:
+        self.recorded = recorded
+        self.seeded: dict[int, StartRecord] = {}
+        self.bulk_reads = 0
+
+    def recorded_tids(self) -> set[int]:
+        self.bulk_reads += 1
+        return set(self.recorded)
+
+    def seed_record(self, tid: int, rec: StartRecord) -> bool:
+        self.seeded[tid] = rec
+        return True
+
+    def unseed(self, tid: int, ts: int) -> None:
+        self.seeded.pop(tid, None)
+
+
+@pytest.fixture
+def sleepers() -> Iterator[list[int]]:
+    """Three of Debian's `sleep`, each asleep in the kernel by the time they are given."""
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        deadline = time.monotonic() + 10
+        for p in procs:
+            while Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "S":
+                assert time.monotonic() < deadline, "sleep did not sleep"
+                time.sleep(0.01)
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_threads_blocked_before_the_start_are_seeded_but_those_the_probe_has(sleepers: list[int]
+                                                                            ) -> None:
+    first, *rest = sleepers
+    probe = FakeProbe(recorded={first})
+    before = BeforeStart(probe, states="SD", kthreads=False, user_stacks=True,
+                         accept=lambda pid, tid: pid in sleepers)
+    assert before.seed() == 2
+    assert sorted(probe.seeded) == sorted(rest) and probe.bulk_reads == 1
+    blocks = dict(before.blocks())
+    assert sorted(blocks) == sorted(rest)
+    a, b = (blocks[pid] for pid in rest)
+    assert any(f.name == "hrtimer_nanosleep" for f in a.kernel)
+    # One pool's threads wait in the same place: one tuple of frames for all of them.
+    assert a.kernel is b.kernel
