@@ -83,7 +83,8 @@ def build_parser() -> _Parser:
     p.add_argument("-o", "--output", metavar="FILE",
                    help="batch: write the output to FILE instead of stdout")
     p.add_argument("--limit", type=str, default=None, metavar="N",
-                   help=f"json: the top N tasks, processes and stacks per interval (default "
+                   help=f"json: the top N tasks, processes and stacks per interval, and its N "
+                        f"longest long blocks (default "
                         f"{DEFAULT_JSON_LIMIT}; 0: all); folded, pprof, speedscope and "
                         "recordings are always complete")
     p.add_argument("--count", type=str, default=None, metavar="N",

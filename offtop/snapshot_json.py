@@ -10,12 +10,14 @@ the field (`tasks[3].pid: expected a whole number from 0 to 2^64, found a
 string`). Unknown fields are left alone, so newer files still play.
 
 `limit` bounds what one object holds (the top tasks, processes and stacks,
-which are sorted by off-CPU time); `omitted` says how many were left out,
-so nothing is dropped silently. Recordings are written without a limit.
+which are sorted by off-CPU time, and the longest long blocks); `omitted`
+says how many were left out, so nothing is dropped silently. Recordings are
+written without a limit.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -107,15 +109,26 @@ def _top(rows: tuple[_Row, ...], limit: int) -> tuple[_Row, ...]:
     return rows if limit <= 0 else rows[:limit]
 
 
+def _longest(blocks: tuple[LongBlock, ...], limit: int) -> list[LongBlock]:
+    """The `limit` longest of `blocks` (all if `limit` <= 0), in their order (by time)."""
+    if limit <= 0 or len(blocks) <= limit:
+        return list(blocks)
+    keep = heapq.nlargest(limit, range(len(blocks)), key=lambda i: blocks[i].duration_ns)
+    return [blocks[i] for i in sorted(keep)]
+
+
 def snapshot_to_json(snap: Snapshot, *, limit: int = 0) -> dict[str, Any]:
     """One JSON object for one interval (see README, 'Headless output').
 
     `limit` > 0 keeps the top `limit` tasks, processes and stacks (each list
-    is sorted by off-CPU time, descending); `omitted` counts the rest.
+    is sorted by off-CPU time, descending) and the `limit` longest long blocks
+    (a pool of 5,000 threads waking once a second past the threshold made
+    lines of ~0.9 MB); `omitted` counts the rest.
     """
     tasks = _top(snap.tasks, limit)
     processes = _top(snap.processes, limit)
     stacks = _top(snap.stacks, limit)
+    long_blocks = _longest(snap.long_blocks, limit)
     return {
         "time": round(snap.time, 6),
         "seq": snap.seq,
@@ -125,7 +138,8 @@ def snapshot_to_json(snap: Snapshot, *, limit: int = 0) -> dict[str, Any]:
         "finished": snap.finished,
         "omitted": {"tasks": len(snap.tasks) - len(tasks),
                     "processes": len(snap.processes) - len(processes),
-                    "stacks": len(snap.stacks) - len(stacks) + snap.omitted_stacks},
+                    "stacks": len(snap.stacks) - len(stacks) + snap.omitted_stacks,
+                    "long_blocks": len(snap.long_blocks) - len(long_blocks)},
         "stats": stats_to_json(snap.stats),
         "tasks": [
             {
@@ -190,7 +204,7 @@ def snapshot_to_json(snap: Snapshot, *, limit: int = 0) -> dict[str, Any]:
                 "user": _frames_json(b.user),
                 "user_modules": _modules_json(b.user),
             }
-            for b in snap.long_blocks
+            for b in long_blocks
         ],
         "blocked_now": [
             {

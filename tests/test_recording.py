@@ -92,7 +92,8 @@ def test_a_recording_is_gzipped_json_lines_with_a_header_first(tmp_path: Path,
                     "interval_s": 1.0, "started": 1_700_000_000.0}
     # Every other line is exactly what --format json prints, never limited.
     assert lines[1:] == [snapshot_json_line(s).rstrip("\n") for s in snaps]
-    assert all(json.loads(ln)["omitted"] == {"tasks": 0, "processes": 0, "stacks": 0}
+    assert all(json.loads(ln)["omitted"] == {"tasks": 0, "processes": 0, "stacks": 0,
+                                             "long_blocks": 0}
                for ln in lines[1:])
 
 
@@ -267,7 +268,7 @@ def rich_snapshot() -> Snapshot:
 #: What the writer adds that the reader derives or does not need (never read back).
 NOT_READ = {"stats.stack_errors", "stats.probe_ns_per_switch", "stats.probe_cpu_pct",
             "stats.switches_per_s", "stats.events_per_s", "omitted", "omitted.tasks",
-            "omitted.processes", "omitted.stacks"}
+            "omitted.processes", "omitted.stacks", "omitted.long_blocks"}
 
 
 def _leaves(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:

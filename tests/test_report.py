@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from offtop.model import Aggregator, BlockedNow, CaptureStats, Frame, LongBlock, Sample
+from offtop.model import Aggregator, BlockedNow, CaptureStats, Frame, LongBlock, Sample, Snapshot
 from offtop.report import folded_lines, snapshot_from_json, snapshot_to_json, text_report
 
 K = (Frame("schedule", "kernel", True), Frame("do_nanosleep", "kernel", True))
@@ -101,6 +101,21 @@ def test_json_round_trip_keeps_user_modules_notices_and_new_stats() -> None:
     assert back.stats.offtop_rss_bytes == 80 << 20
 
 
+def test_json_lines_hold_the_longest_long_blocks_in_their_order_and_count_the_rest() -> None:
+    """A pool of 5,000 threads waking once a second past the threshold: 1,000 long
+    blocks an interval made JSON lines of ~0.9 MB at the default --limit."""
+    durations = [5, 90, 7, 60, 3, 80, 1]
+    blocks = tuple(LongBlock(time=1000.0 + i, pid=1, tid=10 + i, comm="pool", state="S",
+                             duration_ns=d) for i, d in enumerate(durations))
+    snap = Snapshot(seq=1, time=1010.0, interval_s=1.0, threshold_ns=1, long_blocks=blocks)
+    d = snapshot_to_json(snap, limit=3)
+    assert [b["duration_ns"] for b in d["long_blocks"]] == [90, 60, 80]  # by time, as sent
+    assert [b["tid"] for b in d["long_blocks"]] == [11, 13, 15]
+    assert d["omitted"]["long_blocks"] == 4
+    assert len(snapshot_to_json(snap, limit=0)["long_blocks"]) == 7
+    assert snapshot_to_json(snap, limit=7)["omitted"]["long_blocks"] == 0
+
+
 def test_json_lines_hold_the_top_rows_and_say_how_many_were_left_out() -> None:
     from offtop.synthetic import synthetic_snapshots
 
@@ -111,12 +126,12 @@ def test_json_lines_hold_the_top_rows_and_say_how_many_were_left_out() -> None:
         rows = getattr(snap, key)
         assert [r["offcpu_ns"] for r in d[key]] == [r.offcpu_ns for r in rows[:10]]
         assert d["omitted"][key] == len(rows) - 10
-    # Long blocks and blocked-now are bounded by the capture itself, and kept.
-    assert len(d["long_blocks"]) == len(snap.long_blocks)
+    # Blocked-now is bounded by the capture itself (200), and kept.
     assert len(d["blocked_now"]) == len(snap.blocked_now)
     full = snapshot_to_json(snap, limit=0)
     assert len(full["stacks"]) == len(snap.stacks)
-    assert full["omitted"] == {"tasks": 0, "processes": 0, "stacks": 0}
+    assert len(full["long_blocks"]) == len(snap.long_blocks)
+    assert full["omitted"] == {"tasks": 0, "processes": 0, "stacks": 0, "long_blocks": 0}
     # Folded output is never limited.
     assert len(folded_lines(snap)) == sum(1 for s in snap.stacks if round(s.offcpu_ns / 1000))
 
