@@ -92,8 +92,8 @@ class FakeUnwinder:
         return [f"maps of {pid}, read {len(self.maps_read)}"]
 
     def unwind_blocked(self, pid: int, tid: int, bp: int | None = None, *,
-                       saved: Any = None, maps: Any = None) -> UnwindResult:
-        self.walked_with.append(maps)
+                       saved: Any = None, maps_of: Any = None) -> UnwindResult:
+        self.walked_with.append(maps_of(pid))
         return UnwindResult((0x1000, 0x2000), StopReason.OUTERMOST)
 
 
@@ -156,7 +156,7 @@ class FailingUnwinder:
         return []
 
     def unwind_blocked(self, pid: int, tid: int, bp: int | None = None, *,
-                       saved: Any = None, maps: Any = None) -> UnwindResult:
+                       saved: Any = None, maps_of: Any = None) -> UnwindResult:
         self.calls += 1
         return UnwindResult((), StopReason.NOT_BLOCKED)
 

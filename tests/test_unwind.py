@@ -1037,3 +1037,38 @@ def test_a_copied_stack_serves_the_words_it_holds_and_none_outside() -> None:
     assert mem.u64(0x7004) == int.from_bytes(data[4:12], "little")
     assert mem.u64(0x6FF8) is None and mem.u64(0x7019) is None and mem.u64(0x7020) is None
     assert mem.failures == {}
+
+
+def test_a_thread_found_running_is_not_walked_and_its_process_s_maps_are_not_read() -> None:
+    """The maps of a process of thousands of threads are ~0.5 MB: they are asked for
+    (once a pass, offtop.bpf.unwound) only when a thread is found blocked."""
+    asked: list[int] = []
+
+    def maps_of(pid: int) -> list[object]:
+        asked.append(pid)
+        return []
+
+    spin = subprocess.Popen(["sh", "-c", "while :; do :; done"])  # no system call once looping
+    try:
+        deadline = time.monotonic() + 5
+        while read_syscall_regs(spin.pid, spin.pid) is not None:  # still starting
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = Unwinder().unwind_blocked(spin.pid, spin.pid, maps_of=maps_of)
+        assert r.stop_reason == StopReason.NOT_BLOCKED and asked == []
+    finally:
+        spin.kill()
+        spin.wait()
+    done = threading.Event()
+    t = threading.Thread(target=done.wait)
+    t.start()
+    try:
+        deadline = time.monotonic() + 5
+        while read_syscall_regs(os.getpid(), t.native_id) is None:  # type: ignore[arg-type]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = Unwinder().unwind_blocked(os.getpid(), t.native_id, maps_of=maps_of)  # type: ignore[arg-type]
+        assert asked == [os.getpid()] and r.stop_reason != StopReason.NOT_BLOCKED
+    finally:
+        done.set()
+        t.join()

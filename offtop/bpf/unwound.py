@@ -63,6 +63,12 @@ class UnwoundStacks:
         """A new pass over the blocked threads: processes' maps are read again."""
         self._maps.clear()
 
+    def _maps_of(self, pid: int) -> Sequence[FileMapping]:
+        maps = self._maps.get(pid)
+        if maps is None:
+            maps = self._maps[pid] = self._unwinder.read_maps(pid)
+        return maps
+
     def unwind(self, pid: int, tid: int, ts: int, ubp: int, until: float) -> bool:
         """Unwind block (tid, ts) unless done already or past `until`; True if it is known."""
         key = (tid, ts)
@@ -73,10 +79,8 @@ class UnwoundStacks:
             return False
         # The probe took rbp when it saw the block begin; a block from before
         # the start has none: then the kernel's saved registers give it.
-        maps = self._maps.get(pid)
-        if maps is None:
-            maps = self._maps[pid] = self._unwinder.read_maps(pid)
-        r = self._unwinder.unwind_blocked(pid, tid, bp=ubp or None, saved=self._saved, maps=maps)
+        r = self._unwinder.unwind_blocked(pid, tid, bp=ubp or None, saved=self._saved,
+                                          maps_of=self._maps_of)
         if not r.addresses or r.stop_reason in (StopReason.NOT_BLOCKED, StopReason.THREAD_RAN):
             # The block ended (a new one has another ts), or this one cannot be
             # read (another user's /proc files): tried again only now and then,

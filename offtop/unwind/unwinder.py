@@ -211,12 +211,14 @@ class Unwinder:
 
     def unwind_blocked(self, pid: int, tid: int, bp: int | None = None, *,
                        saved: Callable[[int], SavedRegs | None] | None = None,
-                       maps: Sequence[FileMapping] | None = None) -> UnwindResult:
+                       maps_of: Callable[[int], Sequence[FileMapping]] | None = None
+                       ) -> UnwindResult:
         """Walk a thread blocked in the kernel, from its /proc registers.
 
         /proc has no rbp: `bp` is the one the caller knows, else `saved(tid)`
         may give the registers the kernel saved (offtop.bpf.task_regs), used
-        only if its pc and sp are the ones /proc shows; `maps` as for `unwind`.
+        only if its pc and sp are the ones /proc shows. `maps_of(pid)` gives the
+        process's mappings (default: read them), asked only for a blocked thread.
         The thread's scheduler statistics and registers are read before and
         after the walk: if they differ, it ran meanwhile, its stack may have
         changed under the walk, and nothing is returned.
@@ -230,7 +232,8 @@ class Unwinder:
             if got is not None and got.pc == r.pc and got.sp == r.sp:
                 bp = got.bp
                 self.saved_rbp += 1
-        result = self.unwind(pid, tid, r.pc, r.sp, bp, regs=r.leaf_registers(), maps=maps)
+        result = self.unwind(pid, tid, r.pc, r.sp, bp, regs=r.leaf_registers(),
+                             maps=maps_of(pid) if maps_of is not None else None)
         if _sched_marker(pid, tid) != before or read_syscall_regs(pid, tid) != r:
             self.stops[result.stop_reason] -= 1
             return self._count(UnwindResult((), StopReason.THREAD_RAN))
