@@ -143,7 +143,7 @@ def sample(src: BpfSource, snap: Any, t: float, late_s: float) -> dict[str, Any]
         "symbol_caches": usyms.cached_processes if usyms else 0,
         "frame_cache": src.frames.stacks.cached,
         "stack_ids": st.stacks_used,
-        "start_map": sum(1 for _, _, slot in src.probe.thread_records() if slot < 0),
+        "start_map": sum(1 for f in src.probe.thread_fields() if f[-1] < 0),
         "tasks": len(snap.tasks),
         "switches_per_s": round(st.switches_per_s),
         "events": st.events,

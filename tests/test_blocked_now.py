@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes as ct
 
 from offtop.bpf.blocked import BlockedNowReader
-from offtop.bpf.decode import RecordFields, StartRecord, owned_slot_fields, owned_slots, record_fields
+from offtop.bpf.decode import RecordFields, StartRecord, owned_slot_fields, record_fields
 
 S = 1_000_000_000
 
@@ -92,7 +92,8 @@ def test_short_waits_are_shown_without_a_check() -> None:
 
 
 def test_records_decoded_in_bulk_are_the_records_ctypes_reads() -> None:
-    """`owned_slot_fields` and `record_fields` (struct) against `owned_slots` (ctypes)."""
+    """`owned_slot_fields` and `record_fields` (struct) against the records as ctypes
+    reads them."""
     recs = (StartRecord * 4)()
     for i, r in enumerate(recs):
         r.ts, r.cgroup_id, r.tid, r.tgid, r.state = 10**12 + i, 99, 100 + i, 7, 0x80000002
@@ -103,7 +104,7 @@ def test_records_decoded_in_bulk_are_the_records_ctypes_reads() -> None:
     buf = bytes(recs)
     taken = bytearray(b"\x01\x00\x01\x01")
     want = [(r.ts, int(r.tid), r.tgid, r.state, r.ustack, r.kstack, r.ubp, at)
-            for at, r in owned_slots(buf, taken, 4)]
+            for at, r in enumerate(recs) if taken[at] and r.tid]
     assert [w[-1] for w in want] == [0, 3]
     assert owned_slot_fields(buf, taken, 4) == want
     assert record_fields(buf + b"\xff" * 5, 4) == [

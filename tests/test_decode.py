@@ -109,7 +109,7 @@ def test_generation_sums_read_each_field_of_this_generations_slots() -> None:
     assert decode.generation_sums(buf, touched, 2, 6) == []
 
 
-def test_owned_slots_are_found_by_their_taken_bytes_and_freed_byte_first() -> None:
+def test_owned_slot_fields_are_found_by_their_taken_bytes_and_freed_byte_first() -> None:
     """Only slots whose byte says claimed are read (the rest of the array is never
     walked); one being released as it is read (tid 0 already) is left out. Freeing
     a slot clears its byte, then its tid, and only if it still holds that tid."""
@@ -127,14 +127,14 @@ def test_owned_slots_are_found_by_their_taken_bytes_and_freed_byte_first() -> No
     put(40, 4000, byte=1)
     put(41, 4100, byte=0)  # claimed a moment ago, its byte not set yet: next time
     put(63, 0, byte=1)     # released as it is read: its tid is 0 already
-    got = decode.owned_slots(buf, taken, slots)
-    assert [(i, r.tid, r.tgid, r.ts) for i, r in got] == [(3, 300, 301, 3000),
-                                                          (40, 4000, 4001, 40000)]
+    got = decode.owned_slot_fields(buf, taken, slots)
+    assert [(f[-1], f[1], f[2], f[0]) for f in got] == [(3, 300, 301, 3000),
+                                                         (40, 4000, 4001, 40000)]
     decode.free_slot(buf, taken, 40, 4001)  # another thread's now: left alone
-    assert taken[40] == 1 and decode.owned_slots(buf, taken, slots)[1][1].tid == 4000
+    assert taken[40] == 1 and decode.owned_slot_fields(buf, taken, slots)[1][1] == 4000
     decode.free_slot(buf, taken, 40, 4000)
     assert taken[40] == 0 and decode.StartRecord.from_buffer_copy(buf, 40 * size).tid == 0
-    assert [i for i, _ in decode.owned_slots(buf, taken, slots)] == [3]
+    assert [f[-1] for f in decode.owned_slot_fields(buf, taken, slots)] == [3]
 
 
 def test_states_and_flags() -> None:

@@ -397,7 +397,7 @@ def test_process_churn_keeps_caches_bounded(bpf_available: None, workloads: Any)
                 "usyms": usyms.cached_processes,
                 "frames": src.frames.stacks.cached,
                 "stacks": s.stats.stacks_used,
-                "start": sum(1 for _, _, slot in src.probe.thread_records() if slot < 0),
+                "start": sum(1 for f in src.probe.thread_fields() if f[-1] < 0),
             })
     finally:
         src.close()

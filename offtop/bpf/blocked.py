@@ -43,10 +43,6 @@ class Blocked:
     ubp: int  #: its user rbp then (0: not taken)
 
 
-def _by_time_and_tid(f: RecordFields) -> tuple[int, int]:
-    return f[0], f[1]
-
-
 def _thread_exists(pid: int, tid: int) -> bool:
     return os.path.exists(f"/proc/{pid}/task/{tid}")
 
@@ -108,7 +104,7 @@ class BlockedNowReader:
                 live.add(("k", ks))
             if ts <= latest:
                 found.append(f)
-        found.sort(key=_by_time_and_tid)  # longest wait first, then tid
+        found.sort()  # by (ts, tid): longest wait first, then tid
         rows: list[Blocked] = []
         for ts, tid, tgid, state, us, ks, bp, slot in found:
             waited = now - ts

@@ -244,26 +244,6 @@ START_TID_OFFSET = StartRecord.tid.offset
 _U64 = struct.Struct("<Q")
 
 
-def owned_slots(buf: Any, taken: Any, slots: int) -> list[tuple[int, StartRecord]]:
-    """(slot index, record) of every claimed slot in offcpu_slots' raw bytes.
-
-    `buf` is the mmap of the array (`slots` records back to back), `taken`
-    offcpu_slot_taken's bytes (a byte per slot, 1 while claimed): they are
-    searched with `find` (memchr speed), so only claimed slots cost Python.
-    A slot being released as it is read (its tid 0 already) is left out.
-    """
-    size = ct.sizeof(StartRecord)
-    find = taken.find
-    out = []
-    at = find(b"\x01", 0, slots)
-    while at >= 0:
-        rec = StartRecord.from_buffer_copy(buf, at * size)
-        if rec.tid:
-            out.append((at, rec))
-        at = find(b"\x01", at + 1, slots)
-    return out
-
-
 #: The fields of a start_rec read to list who is blocked now, unpacked in bulk
 #: (ts, cgroup_id, tid, tgid, state, ustack, kstack, skip, cg_gen, upc, usp,
 #: ubp; the waker is left): ctypes objects cost a field access per use, and
@@ -275,7 +255,13 @@ RecordFields = tuple[int, int, int, int, int, int, int, int]
 
 
 def owned_slot_fields(buf: Any, taken: Any, slots: int) -> list[RecordFields]:
-    """`owned_slots`, as `RecordFields` tuples."""
+    """The record of every claimed slot in offcpu_slots' raw bytes, as `RecordFields`.
+
+    `buf` is the mmap of the array (`slots` records back to back), `taken`
+    offcpu_slot_taken's bytes (a byte per slot, 1 while claimed): they are
+    searched with `find` (memchr speed), so only claimed slots cost Python.
+    A slot being released as it is read (its tid 0 already) is left out.
+    """
     size = ct.sizeof(StartRecord)
     unpack = _REC_FIELDS.unpack_from
     find = taken.find

@@ -38,7 +38,6 @@ from offtop.bpf.decode import (
     free_slot,
     generation_sums,
     owned_slot_fields,
-    owned_slots,
     record_fields,
     stack_addresses,
 )
@@ -404,21 +403,11 @@ class Probe:
                     wus, wks, _what, _pad, _wcomm) in slots],
             values, n, slots)
 
-    def thread_records(self) -> list[tuple[int, StartRecord, int]]:
-        """(tid, record, slot) of every thread the program has a record of.
-
-        slot -1: the record lives in the overflow hash (no free slot was near).
-        """
-        assert self.slots_mm is not None and self._taken_mm is not None
-        slots = owned_slots(self.slots_mm, self._taken_mm, self.config.start_entries)
-        out = [(int(v.tid), v, i) for i, v in slots]
-        out += [(_U32.unpack(k)[0], StartRecord.from_buffer_copy(v), -1)
-                for k, v in self._map("offcpu_start").items()]
-        return out
-
     def thread_fields(self) -> list[RecordFields]:
-        """`thread_records`, as (ts, tid, tgid, state, ustack, kstack, ubp, slot) tuples
-        decoded in bulk (what `BlockedNowReader` reads at every snapshot)."""
+        """(ts, tid, tgid, state, ustack, kstack, ubp, slot) of every thread the program
+        has a record of, decoded in bulk (what `BlockedNowReader` reads at every
+        snapshot). slot -1: the record lives in the overflow hash (no free slot was
+        near)."""
         assert self.slots_mm is not None and self._taken_mm is not None
         out = owned_slot_fields(self.slots_mm, self._taken_mm, self.config.start_entries)
         table = self._map("offcpu_start")
