@@ -128,8 +128,8 @@ def main() -> int:
     offered = [0]  # new user stacks that came through the probe's ring
     decode_new = engine.new_user_stacks
 
-    def counted_new(records: list[bytes]) -> list[tuple[int, bytes]]:
-        out = decode_new(records)
+    def counted_new(records: list[bytes], **kwargs: Any) -> list[tuple[int, int, bytes]]:
+        out = decode_new(records, **kwargs)
         offered[0] += len(out)
         return out
 

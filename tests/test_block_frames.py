@@ -188,3 +188,58 @@ def test_the_blocks_of_processes_gone_are_let_go_at_the_sweep() -> None:
     assert stacks.frames(80, 3, None) is None
     assert stacks.frames(70, 1, None) is not None and stacks.frames(71, 2, None) is not None
     assert stacks.forget_gone(alive.get) == 0
+
+
+def test_a_process_gone_keeps_its_start_time_until_its_last_sums_are_read() -> None:
+    # A real process (Debian's sleep), its start time read from /proc while it
+    # lives. Once it is gone, its rows still name it by that start time (its
+    # frames stay cached) through the read of the kernel's sums after the one
+    # it was found gone before (its blocks between that read's cut and its
+    # exit), then it is forgotten: a pid gone longer may be another process's.
+    import subprocess
+
+    from offtop.targets import task_start_time
+
+    frames = BlockFrames(FakeBeforeStart([]))  # type: ignore[arg-type]
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        start = frames.start_of(p.pid)
+        assert start == task_start_time(p.pid) and start > 0
+    finally:
+        p.kill()
+        p.wait()
+    assert task_start_time(p.pid) is None
+    frames.new_subtick()
+    assert frames.start_of(p.pid) == start  # found gone: still itself
+    frames.sums_read()  # the read it was found gone before
+    frames.new_subtick()
+    assert frames.start_of(p.pid) == start  # its last sums are read next
+    frames.sums_read()
+    frames.new_subtick()
+    assert frames.start_of(p.pid) == 0  # forgotten
+    frames.sums_read()
+    frames.new_subtick()
+    assert frames.start_of(p.pid) == 0
+
+
+def test_a_pid_found_alive_again_keeps_the_new_process_s_start_time(monkeypatch: Any) -> None:
+    # The pid of a process gone is another process's by the next look: that one's
+    # start time is not forgotten with the gone one's.
+    import offtop.bpf.block_frames as module
+
+    fake_proc_starts = {7: 100}
+    monkeypatch.setattr(module, "task_start_time", fake_proc_starts.get)
+    frames = BlockFrames(FakeBeforeStart([]))  # type: ignore[arg-type]
+    assert frames.start_of(7) == 100
+    del fake_proc_starts[7]
+    frames.new_subtick()
+    assert frames.start_of(7) == 100  # gone, still itself
+    frames.sums_read()
+    fake_proc_starts[7] = 200  # the pid reused
+    frames.new_subtick()
+    assert frames.start_of(7) == 200
+    frames.sums_read()  # the gone one is forgotten, not the new one
+    frames.sums_read()
+    del fake_proc_starts[7]
+    frames.new_subtick()
+    assert frames.start_of(7) == 200  # the new one, gone now, still itself

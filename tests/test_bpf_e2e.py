@@ -282,6 +282,42 @@ def test_the_kernels_sums_are_read_about_once_a_second_and_nothing_is_lost(
     assert covered / 0.0104 <= blocks <= covered / 0.0099, (blocks, covered)
 
 
+def test_at_the_default_interval_the_kernels_sums_are_read_once_an_interval(
+        workloads: Any) -> None:
+    # At 1 s intervals (the default `drain_s` too), the read at the snapshot's
+    # cut is the only one: the interval starts after the last sub-tick's
+    # resolving, so a read timed from the last one came 0.1-0.2 s before each
+    # cut on a busy server, and every key went through Python twice.
+    from offtop.bpf.engine import BpfSource, EngineConfig
+
+    w = workloads("sleep", "10", "100000")
+    src = BpfSource(EngineConfig(threshold_ns=10**9, pids=(w.pid,)))
+    src.start()
+    reads = [0]
+    drain = src.probe.drain_aggregates
+
+    def counted() -> Any:
+        reads[0] += 1
+        return drain()
+
+    src.probe.drain_aggregates = counted  # counts the real reads; nothing faked
+    stop = threading.Event()
+    try:
+        assert src.next_snapshot(1.0, stop) is not None  # the first one is short
+        per_interval, blocks, covered = [], 0, 0.0
+        for _ in range(4):
+            before = reads[0]
+            snap = src.next_snapshot(1.0, stop)
+            assert snap is not None
+            per_interval.append(reads[0] - before)
+            blocks += sum(t.count for t in snap.tasks if t.tid == w.tid)
+            covered += snap.interval_s
+    finally:
+        src.close()
+    assert per_interval == [1, 1, 1, 1], per_interval
+    assert covered / 0.0104 <= blocks <= covered / 0.0099, (blocks, covered)
+
+
 def test_blocked_now_shows_a_task_asleep_right_now(engine: Any, workloads: Any) -> None:
     w = workloads("sleep", "3000")
     stop = threading.Event()

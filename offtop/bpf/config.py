@@ -70,10 +70,12 @@ class EngineConfig:
     sent_map_pages_total: int = 256
     wakeup_events: int = 64
     subtick_s: float = 0.25
-    #: The kernel's sums are read at most this far apart, and at each snapshot's
-    #: cut. Sub-ticks between those reads resolve the new user stacks only (while
-    #: their processes live: `BpfSource._resolve_new_stacks`): reading every key
-    #: at each sub-tick was a quarter of offtop's CPU on a busy server.
+    #: The kernel's sums are read at each snapshot's cut and at most this far
+    #: apart, or 1.5 times this: a read due less than half of this before the
+    #: cut waits for it. Sub-ticks between those reads resolve the new user
+    #: stacks only (while their processes live: `BpfSource._resolve_new_stacks`):
+    #: reading every key at each sub-tick was a quarter of offtop's CPU on a
+    #: busy server.
     drain_s: float = 1.0
     first_interval_s: float = 0.5
     blocked_min_ns: int = 5_000_000
