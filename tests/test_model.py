@@ -162,6 +162,12 @@ def test_the_index_groups_stacks_and_maps_threads_to_processes() -> None:
     assert index.counterpart(RowKey.process(10)) == RowKey.thread(11)
     assert index.counterpart(RowKey.thread(99)) is None
     assert index.rows[RowKey.process(10)].offcpu_ns == 190
+    # The hottest stack of a thread and of a process, told apart though tid 30 is pid 30.
+    assert index.hottest(RowKey.thread(11)) is index.stacks_of(RowKey.thread(11))[0]
+    assert index.hottest(RowKey.process(10)).offcpu_ns == 100  # type: ignore[union-attr]
+    assert index.hottest(RowKey.thread(12)).offcpu_ns == 50  # type: ignore[union-attr]
+    assert index.hottest(RowKey.thread(30)) is index.hottest(RowKey.process(30)) is not None
+    assert index.hottest(RowKey.thread(10)) is None and index.hottest(RowKey.process(11)) is None
 
 
 def test_idle_waits_follow_the_documented_rule() -> None:
