@@ -227,3 +227,44 @@ def test_waker_options_refused_in_one_line() -> None:
         r = run_offtop("--batch", "--count", "1", *args)
         assert r.returncode == 2 and why in r.stderr and len(r.stderr.splitlines()) == 1, \
             (args, r.stderr)
+
+
+def test_timer_woken_rows_carried_across_intervals_keep_their_interrupt_wakers(run: Any) -> None:
+    """Threads woken by their timers interval after interval, while spinners are what
+    the timer interrupts: their rows are carried from one interval to the next,
+    and the interrupt's kernel stack differs from block to block (what it
+    stopped), so each carried row's waker is named again, from a memo of the
+    interrupts' stacks that rows share (`BpfSource._sum_rows`). Each must stay
+    its timer's, with its path up to the interrupt's entry, never the
+    interrupted task."""
+    from offtop.bpf.engine import BpfSource, EngineConfig
+
+    ws = [run("timer", "20") for _ in range(4)]
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(os.cpu_count() or 2)]
+    src = BpfSource(EngineConfig(pids=tuple(w.pid for w in ws), threshold_ns=10**9))
+    try:
+        src.start()
+        stop = threading.Event()
+        snaps = [src.next_snapshot(1.0, stop) for _ in range(3)]
+        carried = src.carried
+        snaps += [src.next_snapshot(1.0, stop) for _ in range(3)]
+        assert src.carried > carried  # their rows were carried, their wakers named again
+    finally:
+        src.close()
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+    def by_timer(k: Waker) -> bool:
+        return (k.kind == "timer" and k.pid == 0 and k.tid == 0
+                and "hrtimer_wakeup" in names(k.kernel)
+                and bool(k.kernel) and k.kernel[-1].name.startswith("asm_"))
+
+    for snap in snaps[3:]:
+        assert snap is not None
+        for w in ws:
+            stacks = [s for s in snap.stacks if s.tid == w.tid]
+            assert waker_share(stacks, by_timer) >= 0.9, [s.wakers for s in stacks]
+            assert not any(x.waker.kind == "task" for s in stacks for x in s.wakers
+                           if "hrtimer_wakeup" in names(x.waker.kernel))

@@ -35,6 +35,7 @@ from offtop.bpf.decode import (
     EVENT_STRUCT,
     ST_BEFORE_START,
     STATE_BITS,
+    WAKER_KINDS,
     StackCopy,
     decode_comm,
     new_user_stacks,
@@ -95,6 +96,9 @@ _NEW_STACKS_MAX = 65_536
 #: a second's at once (which left 2-4 times as many rows behind).
 _FLOOD_NEW = 4_096
 
+#: An interrupt's waker kind (a key's `waker_what >> 24`).
+_INTERRUPT = next(k for k, v in WAKER_KINDS.items() if v == "interrupt")
+
 #: Long-block events read from the ring at once (`_read_ring`): ~7 ms of CPU.
 _READ_CHUNK = 4096
 
@@ -136,6 +140,7 @@ class _Row:
     final: bool = False  #: its frames and waker may be carried into the next interval
     wus: int = -1  #: the waker's user stack id its waker was resolved from
     wks: int = -1  #: and kernel stack id
+    what: int = 0  #: the waker's kind (the key's: the same at every interval)
 
 
 @dataclass(slots=True)
@@ -656,6 +661,11 @@ class BpfSource:
         rows = self._known
         accepts = self.targets.accepts
         new_keys = 0
+        # An interrupt's waker is named by its kernel stack alone (it has no
+        # task): those found final in this call, by (what, kernel stack id).
+        # On a busy server most carried rows have an interrupt's new stack
+        # (what it interrupted differs), and most of those stacks recur.
+        interrupts: dict[tuple[int, int], Waker | None] = {}
         for lo in range(0, len(keys), _STOP_CHECK_ROWS):
             # Asked once a chunk, not per row: once a stop came and its time to
             # resolve is over, or once the next sub-tick is due (offtop is
@@ -684,7 +694,13 @@ class BpfSource:
                         continue
                     if row.final and self._carries(row):
                         if wus != row.wus or wks != row.wks:
-                            self._new_waker(row, row_of(i)[9], stopping)
+                            irq = (row.what, wks) if row.what >> 24 == _INTERRUPT else None
+                            if irq is not None and irq in interrupts:
+                                row.waker, row.wus, row.wks = interrupts[irq], wus, wks
+                            else:
+                                self._new_waker(row, row_of(i)[9], stopping)
+                                if irq is not None and row.final:
+                                    interrupts[irq] = row.waker
                         row.seq, row.total, row.count, row.max_ns, row.comm = \
                             seq, total, count, mx, comm
                         self.carried += 1
@@ -755,7 +771,7 @@ class BpfSource:
         tgid, tid, st, us, ks, total, count, mx, comm, waker = raw
         kernel, user, before, w, start, final = resolved
         return _Row(total, count, mx, comm, kernel, user, before, w, start, tgid, tid, st, us, ks,
-                    event, seq, final, waker[2], waker[3])
+                    event, seq, final, waker[2], waker[3], waker[4])
 
     def _carries(self, row: _Row) -> bool:
         """Whether last interval's final row still holds for this one (see _Row)."""
