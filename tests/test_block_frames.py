@@ -243,3 +243,45 @@ def test_a_pid_found_alive_again_keeps_the_new_process_s_start_time(monkeypatch:
     del fake_proc_starts[7]
     frames.new_subtick()
     assert frames.start_of(7) == 200  # the new one, gone now, still itself
+
+
+class FakeStackStore:
+    """What the stack store has kept per (pid, start), and how it was asked."""
+
+    def __init__(self, kept: dict[tuple[int, int, int], tuple[Frame, ...]]) -> None:
+        self.kept = kept
+        self.resolved: list[tuple[int, int, int]] = []
+
+    def kept_user(self, pid: int, start: int, sid: int) -> tuple[Frame, ...] | None:
+        return self.kept.get((pid, start, sid))
+
+    def user(self, pid: int, start: int, sid: int, *, deadline: float | None = None
+             ) -> tuple[Frame, ...]:
+        self.resolved.append((pid, start, sid))
+        return self.kept.get((pid, start, sid), (Frame(f"resolved-{pid}-{start}-{sid}"),))
+
+
+def test_a_process_gone_gets_its_kept_frames_else_is_resolved_as_gone(monkeypatch: Any) -> None:
+    # While it lived, process 7 (started at 100) had stack 1 resolved and kept.
+    # Gone, its rows find that stack kept under its start time; a stack never
+    # resolved while it lived is resolved as any process gone is (start 0: in
+    # the process it was forked from, nothing kept), and its new stacks are not
+    # resolved at sub-ticks, nor is it seen by the unwind rules' repair
+    # (`start_if_alive` is 0).
+    import offtop.bpf.block_frames as module
+
+    fake_proc_starts = {7: 100}
+    monkeypatch.setattr(module, "task_start_time", fake_proc_starts.get)
+    frames = BlockFrames(FakeBeforeStart([]))  # type: ignore[arg-type]
+    store = FakeStackStore({(7, 100, 1): (Frame("kept"),)})
+    frames.stacks = store  # type: ignore[assignment]
+    assert frames.user(7, 1, None) == (Frame("kept"),)
+    assert frames.start_if_alive(7) == 100
+    del fake_proc_starts[7]
+    frames.new_subtick()
+    assert frames.start_of(7) == 100 and frames.start_if_alive(7) == 0
+    store.resolved.clear()
+    assert frames.user(7, 1, None) == (Frame("kept"),)
+    assert store.resolved == []  # found kept: nothing resolved
+    assert frames.user(7, 2, None) == (Frame("resolved-7-0-2"),)
+    assert store.resolved == [(7, 0, 2)]

@@ -93,6 +93,12 @@ class BlockFrames:
             self._starts[pid] = start
         return start
 
+    def start_if_alive(self, pid: int) -> int:
+        """`start_of`, or 0 for a process found gone (whose start time is kept only
+        for finding what was kept for it: `user`)."""
+        start = self.start_of(pid)
+        return 0 if pid in self._gone or pid in self._gone_before else start
+
     def sums_read(self) -> None:
         """The kernel's sums were just read and summed. A process found gone before the
         previous read has had its last sums read now (those of its blocks between
@@ -183,7 +189,15 @@ class BlockFrames:
         assert self.stacks is not None
         if self.gave_up():  # a waker's stack too
             return (NOT_RESOLVED,)
-        return self.stacks.user(pid, self.start_of(pid), sid, deadline=deadline)
+        start = self.start_of(pid)
+        if start and not self.start_if_alive(pid):
+            # Gone: the frames kept for it while it lived, else resolved as any
+            # process gone is (in the one it was forked from, nothing kept).
+            kept = self.stacks.kept_user(pid, start, sid)
+            if kept is not None:
+                return kept
+            start = 0
+        return self.stacks.user(pid, start, sid, deadline=deadline)
 
     def blocked_now(self, reader: BlockedNowReader, accepts: Callable[[int, int], bool], *,
                     symbol_budget_s: float, unwind_budget_s: float

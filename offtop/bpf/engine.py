@@ -527,7 +527,7 @@ class BpfSource:
                 firsts = {tgid: raw for _sid, tgid, raw in new if raw}
                 stacks.see_processes({tgid: record_addresses(raw)[0]
                                       for tgid, raw in firsts.items()},
-                                     self.frames.start_of)
+                                     self.frames.start_if_alive)
 
     def _resolve_new_stacks(self, deadline: float) -> None:
         """Resolve the new user stacks waiting (`_new_stacks`) until the next sub-tick.
@@ -541,7 +541,7 @@ class BpfSource:
         addresses and lives less than `drain_s` may lose its names, unless it was
         forked (and did not exec) from one that lives (offtop.bpf.lineage)."""
         pending = self._new_stacks
-        user, start_of, clock = self.frames.user, self.frames.start_of, self._clock
+        user, start_of, clock = self.frames.user, self.frames.start_if_alive, self._clock
         done = 0
         # Until the next sub-tick is due, as rows are resolved (`_sum_rows`): past
         # `deadline`, only symbols already read are used (`StackStore.user`).

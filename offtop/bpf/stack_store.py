@@ -223,6 +223,15 @@ class StackStore:
             self._kernel[sid] = frames
         return frames
 
+    def kept_user(self, pid: int, start: int, sid: int) -> tuple[Frame, ...] | None:
+        """The user frames of `sid` cached for process (`pid`, `start`), if they are
+        (nothing read or resolved; a negative id: None)."""
+        cached = self._user.get((pid, start))
+        frames = cached.get(sid) if cached is not None and sid >= 0 else None
+        if frames is not None:
+            self._last_use["u"][sid] = self._seq
+        return frames
+
     def user(self, pid: int, start: int, sid: int, *, deadline: float | None = None) -> tuple[Frame, ...]:
         """The user frames of id `sid` in process `pid` (started at `start`).
 
