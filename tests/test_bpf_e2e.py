@@ -245,53 +245,14 @@ def test_threshold_change_reroutes_live_without_reload(engine: Any, workloads: A
     assert _prog_id(engine) == prog  # the same program, never reloaded
 
 
-def test_the_kernels_sums_are_read_about_once_a_second_and_nothing_is_lost(
-        workloads: Any) -> None:
-    # A steady load: a thread sleeping 10 ms at a time, every block summed in the
-    # kernel (threshold 1 s). The sums are read once a second and at each
-    # snapshot's cut, not at each of the 8 sub-ticks of a 2 s interval (every key
-    # went through Python four times a second); every block is still counted.
+def _reads_of_the_sums(pid: int, tid: int, interval_s: float, n: int
+                       ) -> tuple[list[int], int, float]:
+    """Intervals of a real probe watching `pid`, every block summed in the kernel
+    (threshold 1 s): (reads of the kernel's sums in each of the `n` intervals after
+    the first, blocks of thread `tid` counted, seconds they covered)."""
     from offtop.bpf.engine import BpfSource, EngineConfig
 
-    w = workloads("sleep", "10", "100000")
-    src = BpfSource(EngineConfig(threshold_ns=10**9, pids=(w.pid,)))
-    src.start()
-    reads: list[float] = []
-    drain = src.probe.drain_aggregates
-
-    def counted() -> Any:
-        reads.append(time.monotonic())
-        return drain()
-
-    src.probe.drain_aggregates = counted  # counts the real reads; nothing faked
-    stop = threading.Event()
-    try:
-        assert src.next_snapshot(2.0, stop) is not None  # the first one is short
-        per_interval, blocks, covered = [], 0, 0.0
-        for _ in range(3):
-            before = len(reads)
-            snap = src.next_snapshot(2.0, stop)
-            assert snap is not None
-            per_interval.append(len(reads) - before)
-            blocks += sum(t.count for t in snap.tasks if t.tid == w.tid)
-            covered += snap.interval_s
-    finally:
-        src.close()
-    assert all(1 <= n <= 3 for n in per_interval), per_interval
-    # A 10 ms sleep takes 10.05-10.2 ms with the timer's slack and the switches.
-    assert covered / 0.0104 <= blocks <= covered / 0.0099, (blocks, covered)
-
-
-def test_at_the_default_interval_the_kernels_sums_are_read_once_an_interval(
-        workloads: Any) -> None:
-    # At 1 s intervals (the default `drain_s` too), the read at the snapshot's
-    # cut is the only one: the interval starts after the last sub-tick's
-    # resolving, so a read timed from the last one came 0.1-0.2 s before each
-    # cut on a busy server, and every key went through Python twice.
-    from offtop.bpf.engine import BpfSource, EngineConfig
-
-    w = workloads("sleep", "10", "100000")
-    src = BpfSource(EngineConfig(threshold_ns=10**9, pids=(w.pid,)))
+    src = BpfSource(EngineConfig(threshold_ns=10**9, pids=(pid,)))
     src.start()
     reads = [0]
     drain = src.probe.drain_aggregates
@@ -303,17 +264,41 @@ def test_at_the_default_interval_the_kernels_sums_are_read_once_an_interval(
     src.probe.drain_aggregates = counted  # counts the real reads; nothing faked
     stop = threading.Event()
     try:
-        assert src.next_snapshot(1.0, stop) is not None  # the first one is short
+        assert src.next_snapshot(interval_s, stop) is not None  # the first one is short
         per_interval, blocks, covered = [], 0, 0.0
-        for _ in range(4):
+        for _ in range(n):
             before = reads[0]
-            snap = src.next_snapshot(1.0, stop)
+            snap = src.next_snapshot(interval_s, stop)
             assert snap is not None
             per_interval.append(reads[0] - before)
-            blocks += sum(t.count for t in snap.tasks if t.tid == w.tid)
+            blocks += sum(t.count for t in snap.tasks if t.tid == tid)
             covered += snap.interval_s
     finally:
         src.close()
+    return per_interval, blocks, covered
+
+
+def test_the_kernels_sums_are_read_about_once_a_second_and_nothing_is_lost(
+        workloads: Any) -> None:
+    # A steady load: a thread sleeping 10 ms at a time. The sums are read once a
+    # second and at each snapshot's cut, not at each of the 8 sub-ticks of a 2 s
+    # interval (every key went through Python four times a second); every block
+    # is still counted.
+    w = workloads("sleep", "10", "100000")
+    per_interval, blocks, covered = _reads_of_the_sums(w.pid, w.tid, 2.0, 3)
+    assert all(1 <= n <= 3 for n in per_interval), per_interval
+    # A 10 ms sleep takes 10.05-10.2 ms with the timer's slack and the switches.
+    assert covered / 0.0104 <= blocks <= covered / 0.0099, (blocks, covered)
+
+
+def test_at_the_default_interval_the_kernels_sums_are_read_once_an_interval(
+        workloads: Any) -> None:
+    # At 1 s intervals (the default `drain_s` too), the read at the snapshot's
+    # cut is the only one: the interval starts after the last sub-tick's
+    # resolving, so a read timed from the last one came 0.1-0.2 s before each
+    # cut on a busy server, and every key went through Python twice.
+    w = workloads("sleep", "10", "100000")
+    per_interval, blocks, covered = _reads_of_the_sums(w.pid, w.tid, 1.0, 4)
     assert per_interval == [1, 1, 1, 1], per_interval
     assert covered / 0.0104 <= blocks <= covered / 0.0099, (blocks, covered)
 
