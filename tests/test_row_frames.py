@@ -193,6 +193,25 @@ def test_a_kept_row_woken_by_another_is_given_that_waker(rig: Any) -> None:
     assert rig.rows.hits == 4 and rig.rows.misses == 1
 
 
+def test_an_interrupts_waker_is_kept_by_its_kind_and_kernel_stack(rig: Any) -> None:
+    # An interrupt (2 << 24 | its irq) names its waker by its kernel stack alone:
+    # once resolved, it is found by (what, kernel stack id), without the row's
+    # raw waker (the engine's carried rows), and not for another kind or stack.
+    irq = 2 << 24 | 5
+    w, final = rig.rows.waker((0, 0, -1, 1, irq, b""))
+    assert final and w is not None and w.kind == "interrupt" and w.pid == 0
+    assert rig.rows.kept_interrupt_waker(irq, 1) is w
+    assert rig.rows.waker((0, 0, -1, 1, irq, b"")) == (w, True)
+    assert rig.rows.kept_interrupt_waker(2 << 24 | 6, 1) is None  # another irq
+    assert rig.rows.kept_interrupt_waker(irq, 2) is None  # another stack
+    assert rig.rows.kept_interrupt_waker(1 << 24, 1) is None  # a task's: never by this
+    rig.frames.stacks.next_interval(5)
+    assert rig.rows.kept_interrupt_waker(irq, 1) is w
+    assert rig.frames.stacks.last_use("k", 1) == 5  # stamped as used, as resolving would
+    rig.frames.stacks.generation += 1  # ids deleted: nothing kept holds
+    assert rig.rows.kept_interrupt_waker(irq, 1) is None
+
+
 def test_wakers_not_asked_for_in_a_whole_interval_are_forgotten() -> None:
     stacks = {3: (Frame("hrtimer_wakeup", kernel=True),
                   Frame("asm_sysvec_apic_timer_interrupt", kernel=True))}

@@ -97,7 +97,11 @@ class BlockFrames:
         """`start_of`, or 0 for a process found gone (whose start time is kept only
         for finding what was kept for it: `user`)."""
         start = self.start_of(pid)
-        return 0 if pid in self._gone or pid in self._gone_before else start
+        return 0 if self._found_gone(pid) else start
+
+    def _found_gone(self, pid: int) -> bool:
+        """Whether `pid` was found gone and keeps its start time (after `start_of`)."""
+        return pid in self._gone or pid in self._gone_before
 
     def sums_read(self) -> None:
         """The kernel's sums were just read and summed. A process found gone before the
@@ -190,7 +194,7 @@ class BlockFrames:
         if self.gave_up():  # a waker's stack too
             return (NOT_RESOLVED,)
         start = self.start_of(pid)
-        if start and not self.start_if_alive(pid):
+        if start and self._found_gone(pid):
             # Gone: the frames kept for it while it lived, else resolved as any
             # process gone is (in the one it was forked from, nothing kept).
             kept = self.stacks.kept_user(pid, start, sid)

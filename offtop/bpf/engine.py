@@ -35,7 +35,6 @@ from offtop.bpf.decode import (
     EVENT_STRUCT,
     ST_BEFORE_START,
     STATE_BITS,
-    WAKER_KINDS,
     StackCopy,
     decode_comm,
     new_user_stacks,
@@ -95,9 +94,6 @@ _NEW_STACKS_MAX = 65_536
 #: flood of new keys is resolved a sub-tick's share at a time, as they come, not
 #: a second's at once (which left 2-4 times as many rows behind).
 _FLOOD_NEW = 4_096
-
-#: An interrupt's waker kind (a key's `waker_what >> 24`).
-_INTERRUPT = next(k for k, v in WAKER_KINDS.items() if v == "interrupt")
 
 #: Long-block events read from the ring at once (`_read_ring`): ~7 ms of CPU.
 _READ_CHUNK = 4096
@@ -661,11 +657,6 @@ class BpfSource:
         rows = self._known
         accepts = self.targets.accepts
         new_keys = 0
-        # An interrupt's waker is named by its kernel stack alone (it has no
-        # task): those found final in this call, by (what, kernel stack id).
-        # On a busy server most carried rows have an interrupt's new stack
-        # (what it interrupted differs), and most of those stacks recur.
-        interrupts: dict[tuple[int, int], Waker | None] = {}
         for lo in range(0, len(keys), _STOP_CHECK_ROWS):
             # Asked once a chunk, not per row: once a stop came and its time to
             # resolve is over, or once the next sub-tick is due (offtop is
@@ -694,13 +685,12 @@ class BpfSource:
                         continue
                     if row.final and self._carries(row):
                         if wus != row.wus or wks != row.wks:
-                            irq = (row.what, wks) if row.what >> 24 == _INTERRUPT else None
-                            if irq is not None and irq in interrupts:
-                                row.waker, row.wus, row.wks = interrupts[irq], wus, wks
+                            # An interrupt's kept waker is found without decoding the row.
+                            w = self._rows.kept_interrupt_waker(row.what, wks)
+                            if w is not None:
+                                row.waker, row.wus, row.wks = w, wus, wks
                             else:
                                 self._new_waker(row, row_of(i)[9], stopping)
-                                if irq is not None and row.final:
-                                    interrupts[irq] = row.waker
                         row.seq, row.total, row.count, row.max_ns, row.comm = \
                             seq, total, count, mx, comm
                         self.carried += 1

@@ -16,7 +16,11 @@ CPU. A key's resolution is kept here once nothing about it can change:
 Wakers are kept apart, by their raw form (ids, name, the waking process's
 start time), on the same terms: a thread's stack is woken by many wakers,
 and the waker's stacks are those of the latest block, so one key for both
-would miss at nearly every row.
+would miss at nearly every row. An interrupt's waker is named by its kind
+and kernel stack alone (`Wakers.waker`), and kept by those: on a busy
+server most carried rows have an interrupt's new stack at each interval
+(what it interrupted differs), and the engine finds it without decoding
+the row (`kept_interrupt_waker`).
 
 The stack store renumbers nothing behind a kept entry: deleted ids (and a
 cleared cache) bump its `generation`, which empties this one. A hit stamps
@@ -32,6 +36,9 @@ from offtop.bpf.decode import ST_BEFORE_START, WAKER_KINDS, decode_comm
 from offtop.bpf.wakers import RawWaker, Wakers
 from offtop.model import Frame, Waker
 from offtop.recent import Recent
+
+#: An interrupt's waker kind (a raw waker's `what >> 24`).
+_INTERRUPT = next(k for k, v in WAKER_KINDS.items() if v == "interrupt")
 
 #: (kernel frames, user frames, began before offtop, waker, process start time, final:
 #: whether all of it is kept, so that it holds while the process does)
@@ -99,10 +106,7 @@ class RowFrames:
         frames = self._frames
         stacks = frames.stacks
         assert stacks is not None
-        if stacks.generation != self._generation:
-            self._kept.clear()
-            self._wakers_kept.clear()
-            self._generation = stacks.generation
+        self._check_generation()
         start = frames.start_of(tgid)
         py = frames.python
         python = py is not None and py.is_python(tgid)
@@ -113,13 +117,35 @@ class RowFrames:
             self.hits += 1
         return key, start, python, kept
 
+    def _check_generation(self) -> None:
+        """Ids renumbered since (the store's generation) empty what is kept."""
+        stacks = self._frames.stacks
+        assert stacks is not None
+        if stacks.generation != self._generation:
+            self._kept.clear()
+            self._wakers_kept.clear()
+            self._generation = stacks.generation
+
+    def kept_interrupt_waker(self, what: int, ks: int) -> Waker | None:
+        """The kept waker of an interrupt (`what`, as a key's `waker_what`) whose kernel
+        stack is `ks`; None if `what` is not an interrupt's or nothing is kept. A
+        hit stamps the stack as used (as resolving would)."""
+        if what >> 24 != _INTERRUPT:
+            return None
+        self._check_generation()
+        kept = self._wakers_kept.get((what, ks))
+        if kept is not None:
+            assert self._frames.stacks is not None
+            self._frames.stacks.touch(ks, -1)
+        return kept
+
     def kept_waker(self, raw: RawWaker) -> tuple[Waker | None, bool]:
         """`waker`'s answer if kept; else the waker named without its stacks (not
         final), nothing read or symbolized."""
         kind = WAKER_KINDS.get(raw[4] >> 24)
         if not kind:
             return None, True
-        _key, kept = self._kept_waker(raw)
+        _key, _start, kept = self._kept_waker(raw)
         if kept is not None:
             return kept, True
         if kind == "task":
@@ -130,26 +156,31 @@ class RowFrames:
         """The model's waker of a raw one, and whether it is kept (final, as for rows)."""
         if not WAKER_KINDS.get(raw[4] >> 24):
             return None, True  # the probe saw none (as Wakers.waker says, without its cost)
-        key, kept = self._kept_waker(raw)
+        key, wstart, kept = self._kept_waker(raw)
         if kept is not None:
             return kept, True
         w = self._wakers.waker(raw)
         frames = self._frames
         assert frames.stacks is not None
-        wtgid, wus, wstart = raw[0], raw[2], int(key[-1])
+        wtgid, wus = raw[0], raw[2]
         if ((wstart or wus < 0) and not frames.gave_up()
                 and (wus < 0 or frames.stacks.final(wtgid, wstart, wus))):
             self._wakers_kept.put(key, w)
             return w, True
         return w, False
 
-    def _kept_waker(self, raw: RawWaker) -> tuple[tuple[int | bytes, ...], Waker | None]:
-        """(key, kept answer or None): the key is the raw waker and its process's
-        start time. A hit stamps the waker's stacks as used (as resolving would)."""
-        wtgid, wus = raw[0], raw[2]
-        key = (*raw, self._frames.start_of(wtgid) if wtgid > 0 and wus >= 0 else 0)
+    def _kept_waker(self, raw: RawWaker) -> tuple[tuple[int | bytes, ...], int, Waker | None]:
+        """(key, the waking process's start time (0: none or unknown), kept answer or
+        None). An interrupt's key is (what, kernel stack id); a task's, the raw
+        waker and its process's start time. A hit stamps the waker's stacks as
+        used (as resolving would)."""
+        wtgid, wus, ks, what = raw[0], raw[2], raw[3], raw[4]
+        if what >> 24 == _INTERRUPT:
+            return (what, ks), 0, self.kept_interrupt_waker(what, ks)
+        start = self._frames.start_of(wtgid) if wtgid > 0 and wus >= 0 else 0
+        key = (*raw, start)
         kept = self._wakers_kept.get(key)
         if kept is not None:
             assert self._frames.stacks is not None
-            self._frames.stacks.touch(raw[3], raw[2])
-        return key, kept
+            self._frames.stacks.touch(ks, wus)
+        return key, start, kept

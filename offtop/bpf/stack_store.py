@@ -247,8 +247,7 @@ class StackStore:
             self.stats.user_lost += 1
             return _USER_LOST
         self._last_use["u"][sid] = self._seq
-        cached = self._user.get((pid, start))
-        frames = cached.get(sid) if cached is not None else None
+        frames = self.kept_user(pid, start, sid)
         if frames is not None:
             key = (pid, start, sid)
             retry = self._retry.get(key)
