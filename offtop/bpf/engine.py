@@ -656,7 +656,8 @@ class BpfSource:
         were new (neither summed this interval nor carried)."""
         rows = self._known
         accepts = self.targets.accepts
-        new_keys = 0
+        new_keys = carried = 0
+        carries = self._carry_verdicts()
         for lo in range(0, len(keys), _STOP_CHECK_ROWS):
             # Asked once a chunk, not per row: once a stop came and its time to
             # resolve is over, or once the next sub-tick is due (offtop is
@@ -683,7 +684,7 @@ class BpfSource:
                         if mx > row.max_ns:
                             row.max_ns = mx
                         continue
-                    if row.final and self._carries(row):
+                    if row.final and carries(row):
                         if wus != row.wus or wks != row.wks:
                             # An interrupt's kept waker is found without decoding the row.
                             w = self._rows.kept_interrupt_waker(row.what, wks)
@@ -693,7 +694,7 @@ class BpfSource:
                                 self._new_waker(row, row_of(i)[9], stopping)
                         row.seq, row.total, row.count, row.max_ns, row.comm = \
                             seq, total, count, mx, comm
-                        self.carried += 1
+                        carried += 1
                         continue
                 r = row_of(i)
                 if not (event or accepts(r[0], r[1])):
@@ -705,6 +706,7 @@ class BpfSource:
                 else:
                     rows[key] = self._row(r, event, seq, self._rows.resolve(*r[:5], r[9],
                                                                             deadline))
+        self.carried += carried
         return new_keys
 
     def _unresolved_row(self, key: bytes | tuple[int, ...], raw: RawRow, seq: int,
@@ -763,14 +765,34 @@ class BpfSource:
         return _Row(total, count, mx, comm, kernel, user, before, w, start, tgid, tid, st, us, ks,
                     event, seq, final, waker[2], waker[3], waker[4])
 
-    def _carries(self, row: _Row) -> bool:
-        """Whether last interval's final row still holds for this one (see _Row)."""
-        frames = self.frames
-        tgid = row.tgid
-        if frames.start_of(tgid) != row.start or not self.targets.accepts(tgid, row.tid):
-            return False
-        # Found to be Python since: its frames change per sample.
-        return frames.python is None or not frames.python.is_python(tgid)
+    def _carry_verdicts(self) -> Callable[[_Row], bool]:
+        """Whether last interval's final row still holds for this one (see _Row), for
+        the rows of one read: what decides it is asked once per process, not per row
+        (a busy server's read carries ~8,000 rows of a few dozen processes). Start
+        times hold for a sub-tick (`BlockFrames.new_subtick`), a read's rows are
+        summed within one."""
+        frames, targets = self.frames, self.targets
+        python = frames.python
+        by_tgid: dict[int, int] = {}  # tgid -> the start time its rows carry at, else -1
+
+        def start_carried(tgid: int) -> int:
+            start = frames.start_of(tgid)
+            # Found to be Python since: its frames change per sample.
+            if python is not None and python.is_python(tgid):
+                start = -1
+            by_tgid[tgid] = start
+            return start
+
+        # A target's id found naming another task: its rows are asked for one by one.
+        accepts = targets.accepts if targets.any_reused else None
+
+        def carries(row: _Row) -> bool:
+            start = by_tgid.get(row.tgid)
+            if start is None:
+                start = start_carried(row.tgid)
+            return start == row.start and (accepts is None or accepts(row.tgid, row.tid))
+
+        return carries
 
     def _new_waker(self, row: _Row, raw: RawWaker, stopping: bool) -> None:
         """A carried row's waker, resolved again: its stacks are not the ones it had
