@@ -590,24 +590,24 @@ class Aggregator:
             skey = (tid, state, before, nk, nu)
             cur = stacks.get(skey)
             if cur is None:
-                # offcpu_ns, count, max_ns, pid, comm, kernel, user, {waker: [ns, count]}
-                cur = stacks[skey] = [ns, count, max_ns, pid, comm, kernel, user, None]
-            else:
-                cur[0] += ns
-                cur[1] += count
-                if max_ns > cur[2]:
-                    cur[2] = max_ns
+                # offcpu_ns, count, max_ns, pid, comm, kernel, user, and its wakers: the
+                # first one inline (most stacks have one: no dict, no hash of it), then
+                # {waker: [ns, count]} once a second one comes.
+                stacks[skey] = [ns, count, max_ns, pid, comm, kernel, user, waker, ns, count]
+                continue
+            cur[0] += ns
+            cur[1] += count
+            if max_ns > cur[2]:
+                cur[2] = max_ns
             if waker is not None:
-                by_waker = cur[7]
-                if by_waker is None:
-                    cur[7] = {waker: [ns, count]}
+                first = cur[7]
+                if first is None:
+                    cur[7], cur[8], cur[9] = waker, ns, count
+                elif first is waker:  # the same object: the engine reuses its wakers
+                    cur[8] += ns
+                    cur[9] += count
                 else:
-                    w = by_waker.get(waker)
-                    if w is None:
-                        by_waker[waker] = [ns, count]
-                    else:
-                        w[0] += ns
-                        w[1] += count
+                    _add_waker(cur, waker, ns, count)
 
         totals = self._totals
         for tid, acc in threads.items():
@@ -639,7 +639,8 @@ class Aggregator:
         ranked = sorted(items, key=lambda kv: (-kv[1][0], kv[0][0], kv[0][1]))
         stack_rows = tuple([
             StackRow(v[3], k[0], v[4], k[1], v[0], v[1], v[2], v[5], v[6], k[2],
-                     _waker_rows(v[7]) if v[7] else ())
+                     _waker_rows(v[10]) if len(v) > 10 else
+                     (WakerRow(v[7], v[8], v[9]),) if v[7] is not None else ())
             for k, v in ranked[:keep]
         ])
         return Snapshot(
@@ -697,6 +698,29 @@ class Aggregator:
         stale = [tid for tid, t in self._totals.items() if t.last_seq < horizon]
         for tid in stale:
             del self._totals[tid]
+
+
+#: `build_raw`'s first-waker slot once a stack's wakers are summed in a dict.
+_MANY_WAKERS = object()
+
+
+def _add_waker(cur: list[Any], waker: Waker, ns: int, count: int) -> None:
+    """Sum one more block of a stack (`Aggregator.build_raw`'s list) by its waker, once
+    the stack has more than its first: into {waker: [ns, count]}, at cur[10]."""
+    if len(cur) == 10:
+        if cur[7] == waker:
+            cur[8] += ns
+            cur[9] += count
+            return
+        cur.append({cur[7]: [cur[8], cur[9]]})
+        cur[7] = _MANY_WAKERS  # summed in the dict from here
+    by_waker = cur[10]
+    w = by_waker.get(waker)
+    if w is None:
+        by_waker[waker] = [ns, count]
+    else:
+        w[0] += ns
+        w[1] += count
 
 
 def _waker_rows(by_waker: Mapping[Waker, list[int]] | None) -> tuple[WakerRow, ...]:

@@ -360,6 +360,24 @@ def test_since_start_takes_a_renamed_threads_new_name_and_holds_no_rows() -> Non
     assert [r.offcpu_ns for r in since.ranked()] == [marker, 300]
 
 
+def test_a_stacks_blocks_are_summed_by_waker_whatever_their_order() -> None:
+    """One stack's blocks, summed per waker: the first waker (kept apart from the
+    others while it is the only one), equal wakers that are other objects, a
+    second and a third waker, and blocks with no waker between them."""
+    from offtop.model import Waker, WakerRow
+
+    timer, a, b = Waker(0, 0, "", "timer"), Waker(10, 12, "a"), Waker(10, 13, "b")
+    blocks = [(None, 1), (timer, 10), (Waker(0, 0, "", "timer"), 20), (a, 100), (None, 2),
+              (timer, 30), (b, 1000), (a, 200), (Waker(10, 12, "a"), 300)]
+    [row] = build(Aggregator(), [dataclasses.replace(s(11, ns), waker=w) for w, ns in blocks]).stacks
+    assert (row.offcpu_ns, row.count) == (1663, 9)
+    assert row.wakers == (WakerRow(b, 1000, 1), WakerRow(a, 600, 3), WakerRow(timer, 60, 3))
+    [one] = build(Aggregator(), [dataclasses.replace(s(11, ns), waker=w)
+                                 for w, ns in ((None, 5), (a, 7), (Waker(10, 12, "a"), 9))]).stacks
+    assert one.wakers == (WakerRow(a, 16, 2),)
+    assert build(Aggregator(), [s(11, 5), s(11, 6)]).stacks[0].wakers == ()
+
+
 def test_a_stack_cap_keeps_the_top_rows_and_counts_the_rest() -> None:
     """Batch output that prints the top N asks for N rows: the others are counted,
     in the snapshot and in JSON (also read back), never dropped silently."""
