@@ -496,6 +496,8 @@ def measure(tool: Tool, load: Load, plan: Plan, tag: str) -> dict[str, Any]:
     # Before its first snapshot the TUI shows no #N: none shown yet.
     seq0 = (_seq_of(tool.screen()) or 0) if isinstance(tool, InTmux) and tool.name == "tui" else None
     a, m0 = load.sample(), machine_switches()
+    split = isinstance(tool, InTmux) and tool.name == "tui"
+    threads0 = thread_ticks(tool.pid) if split else {}
     t0, k0 = time.monotonic(), cpu_ticks(tool.pid)
     rss: list[float] = []
     while (now := time.monotonic()) < t0 + seconds:
@@ -504,6 +506,7 @@ def measure(tool: Tool, load: Load, plan: Plan, tag: str) -> dict[str, Any]:
             raise WindowFailed(f"{tool.name} exited during its measured window")
         rss.append(tree_rss_mb(tool.pid))  # with any child it runs (offtop may compile in one)
     k1, t1 = cpu_ticks(tool.pid), time.monotonic()
+    threads1 = thread_ticks(tool.pid) if split else {}
     m1, b = machine_switches(), load.sample()
     out: dict[str, Any] = {
         "cpu_pct": 100.0 * (k1 - k0) / os.sysconf("SC_CLK_TCK") / (t1 - t0),
@@ -522,6 +525,7 @@ def measure(tool: Tool, load: Load, plan: Plan, tag: str) -> dict[str, Any]:
             if seq0 is not None:
                 out["snapshots_per_s"] = (seq1 - seq0) / (t1 - t0)
             out["header"] = "\n".join(screen.splitlines()[:2])
+            out["threads"] = thread_split(tool.pid, threads0, threads1, t1 - t0)
     if isinstance(tool, OfftopBatch):
         inside = [ln for ln in tool.lines if t0 <= ln.at <= t1]
         out["json_line_bytes"] = [ln.size for ln in inside]
@@ -535,6 +539,28 @@ def measure(tool: Tool, load: Load, plan: Plan, tag: str) -> dict[str, Any]:
         out["_window_line"] = tool.last if inside else b""
         out["_load_pids"] = set(load.ever)
     return out
+
+
+def thread_ticks(pid: int) -> dict[int, int]:
+    """utime + stime of each thread of `pid` now, in clock ticks (a thread gone: absent)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (task / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            out[int(task.name)] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def thread_split(pid: int, before: dict[int, int], after: dict[int, int],
+                 seconds: float) -> dict[str, float]:
+    """% of one core over a window: the main thread's (the TUI's event loop), the busiest
+    other's (its engine) and all the others'."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {tid: (n - before.get(tid, 0)) * 100.0 / tick / seconds for tid, n in after.items()}
+    main = used.pop(pid, 0.0)
+    busiest = max(used.values(), default=0.0)
+    return {"main": main, "busiest_other": busiest, "rest": sum(used.values()) - busiest}
 
 
 def has_option(code: Code, option: str) -> bool:
@@ -794,6 +820,9 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
         if n == "tui" and ws:
             entry["snapshots_per_s"] = _d([w.get("snapshots_per_s") for w in ws]).json()
             entry["header"] = ws[-1].get("header", "")
+        if n in ("tui", f"tui{REF_SUFFIX}") and ws and all("threads" in w for w in ws):
+            entry["threads"] = {k: _d([w["threads"][k] for w in ws]).json()
+                                for k in ("main", "busiest_other", "rest")}
         res["tools"][n] = entry
     ratios = []
     with_options = [(n, n.partition(" ")[0]) for n in tools if n.startswith(WITH_OPTIONS)]
@@ -821,6 +850,12 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
     if t.get("snapshots_per_s", {}).get("n"):
         out.append(f"   offtop TUI: {_fmtd(t['snapshots_per_s'], 1, 2)} snapshots shown per s "
                    "(header #N; asked: 1)")
+    for n in ("tui", f"tui{REF_SUFFIX}"):
+        th = res["tools"].get(n, {}).get("threads")
+        if th:
+            out.append(f"   {tool_label(n)}, per thread (% of one core): event loop "
+                       f"{_fmtd(th['main'], 1, 1)}, the busiest other (the engine) "
+                       f"{_fmtd(th['busiest_other'], 1, 1)}, the rest {_fmtd(th['rest'], 1, 1)}")
     out.append(f"   targets: offtop batch and TUI each {LE} {TARGET_CPU_PCT:g} % of one core and {LE} "
                f"{TARGET_RSS_MB:g} MB RSS (peak); JSON line {LE} {TARGET_JSON_LINE_BYTES / 1e3:.0f} kB")
     for n in ("batch", "tui"):
