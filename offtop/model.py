@@ -600,10 +600,7 @@ class Aggregator:
             if max_ns > cur[2]:
                 cur[2] = max_ns
             if waker is not None:
-                first = cur[7]
-                if first is None:
-                    cur[7], cur[8], cur[9] = waker, ns, count
-                elif first is waker:  # the same object: the engine reuses its wakers
+                if cur[7] is waker:  # the same object: the engine reuses its wakers
                     cur[8] += ns
                     cur[9] += count
                 else:
@@ -705,9 +702,13 @@ _MANY_WAKERS = object()
 
 
 def _add_waker(cur: list[Any], waker: Waker, ns: int, count: int) -> None:
-    """Sum one more block of a stack (`Aggregator.build_raw`'s list) by its waker, once
-    the stack has more than its first: into {waker: [ns, count]}, at cur[10]."""
+    """Sum one more block of a stack (`Aggregator.build_raw`'s list) by its waker, where
+    it is not the very waker object of the first: the first waker inline (cur[7:10])
+    while it is the only one, then all of them in {waker: [ns, count]} at cur[10]."""
     if len(cur) == 10:
+        if cur[7] is None:  # the stack's first block with a waker
+            cur[7], cur[8], cur[9] = waker, ns, count
+            return
         if cur[7] == waker:
             cur[8] += ns
             cur[9] += count
