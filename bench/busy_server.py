@@ -71,6 +71,7 @@ from run import (
     say,
     sched_probes,
     slope,
+    stat_ticks,
     tree_rss_mb,
     write_readme,
 )
@@ -546,9 +547,7 @@ def thread_ticks(pid: int) -> dict[int, int]:
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = (task / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
-            out[int(task.name)] = int(fields[11]) + int(fields[12])
+            out[int(task.name)] = stat_ticks(task / "stat")
     return out
 
 

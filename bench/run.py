@@ -226,7 +226,12 @@ class Background:
 
 def cpu_ticks(pid: int) -> int:
     """utime + stime of a process (all threads), in clock ticks."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat_ticks(Path(f"/proc/{pid}/stat"))
+
+
+def stat_ticks(path: Path) -> int:
+    """utime + stime in a /proc stat file (a process's, or one thread's under task/)."""
+    stat = path.read_text()
     fields = stat[stat.rindex(")") + 2:].split()
     return int(fields[11]) + int(fields[12])
 
