@@ -464,3 +464,102 @@ def test_an_index_shares_the_catalog_it_is_given_even_an_empty_one() -> None:
     catalog = ChainCatalog()
     snap = Snapshot(seq=1, time=0.0, interval_s=1.0, threshold_ns=0)
     assert SnapshotIndex(snap, catalog).catalog is catalog
+
+
+def _reference(samples: list[Sample], keep: int) -> tuple[list[Any], list[Any], int]:
+    """What a build sums, written the plain way (the oracle of the test below): per
+    thread, and per (thread, state, before start, frames) in the order first seen,
+    wakers summed by equality in the order they came; stacks ranked by time, thread,
+    state, then that order."""
+    threads: dict[int, dict[str, Any]] = {}
+    stacks: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for x in samples:
+        t = threads.setdefault(x.tid, {"pid": x.pid, "comm": x.comm, "ns": 0, "count": 0,
+                                       "max": 0, "states": {}, "events": 0})
+        t["ns"] += x.offcpu_ns
+        t["count"] += x.count
+        t["max"] = max(t["max"], x.max_ns)
+        t["states"][x.state] = t["states"].get(x.state, 0) + x.offcpu_ns
+        t["events"] += x.count if x.from_event else 0
+        t["comm"] = x.comm or t["comm"]
+        st = stacks.setdefault((x.tid, x.state, x.before_start, x.kernel, x.user),
+                               {"first": x, "ns": 0, "count": 0, "max": 0, "wakers": {}})
+        st["ns"] += x.offcpu_ns
+        st["count"] += x.count
+        st["max"] = max(st["max"], x.max_ns)
+        if x.waker is not None:
+            w = st["wakers"].setdefault(x.waker, [0, 0])
+            w[0] += x.offcpu_ns
+            w[1] += x.count
+    tasks = sorted(((-t["ns"], tid, t["pid"], t["comm"], t["count"], t["max"], t["states"],
+                     t["events"]) for tid, t in threads.items()), key=lambda r: r[:2])
+    order = list(stacks.values())
+    ranked = sorted(range(len(order)), key=lambda i: (-order[i]["ns"], order[i]["first"].tid,
+                                                      order[i]["first"].state, i))[:keep]
+    rows = []
+    for i in ranked:
+        st, f = order[i], order[i]["first"]
+        wakers = sorted(((-ns, w.tid, w.label, w, n) for w, (ns, n) in st["wakers"].items()),
+                        key=lambda r: r[:3])
+        rows.append((f.pid, f.tid, f.comm, f.state, st["ns"], st["count"], st["max"], f.kernel,
+                     f.user, f.before_start, [(w, -ns, n) for ns, _t, _l, w, n in wakers]))
+    return tasks, rows, len(order) - len(rows)
+
+
+def test_builds_sum_as_the_plain_reference_does_on_random_samples() -> None:
+    """Random intervals, several through one aggregator (its numbers kept across
+    builds, and forgotten past a small bound): repeated stacks, equal frames and
+    wakers in other objects, blocks with no waker, empty names, ties in time, a tid
+    found in another process, small and large stack caps."""
+    import random
+
+    from offtop.model import Waker
+
+    rng = random.Random(14)
+    frames = [tuple(Frame(f"f{i}_{j}", "wl") for j in range(rng.randrange(1, 4))) for i in range(6)]
+    kernels = [K, (Frame("schedule", "kernel", True),)]
+    wakers = [Waker(0, 0, "", "timer"), Waker(10, 11, "a"), Waker(10, 12, "b"), None]
+    for keep in (1, 3, 20_000):
+        agg = Aggregator()
+        agg.max_stacks = keep
+        agg.groups.max_groups = 40  # forgotten every few builds
+        for _ in range(30):
+            samples = []
+            for _ in range(rng.randrange(0, 60)):
+                w = rng.choice(wakers)
+                if w is not None and rng.random() < 0.3:
+                    w = dataclasses.replace(w)  # equal, another object
+                user = rng.choice(frames)
+                if rng.random() < 0.2:
+                    user = tuple(dataclasses.replace(f) for f in user)  # equal, another tuple
+                samples.append(dataclasses.replace(
+                    s(rng.randrange(1, 8), rng.choice((5, 7, 100, rng.randrange(1, 10**6))),
+                      pid=rng.choice((10, 10, 10, 20)), state=rng.choice("SSD"),
+                      count=rng.randrange(1, 4), event=rng.random() < 0.2,
+                      kernel=rng.choice(kernels), user=user, comm=rng.choice(("wl", "wl", ""))),
+                    max_ns=rng.randrange(1, 10**6), waker=w, before_start=rng.random() < 0.1,
+                    start=rng.choice((0, 77))))
+            snap = build(agg, samples)
+            tasks, rows, omitted = _reference(samples, keep)
+            assert [(-t.offcpu_ns, t.tid, t.pid, t.comm, t.count, t.max_ns, t.state_ns, t.events)
+                    for t in snap.tasks] == tasks
+            assert [(r.pid, r.tid, r.comm, r.state, r.offcpu_ns, r.count, r.max_ns, r.kernel,
+                     r.user, r.before_start, [(w.waker, w.offcpu_ns, w.count) for w in r.wakers])
+                    for r in snap.stacks] == rows
+            assert snap.omitted_stacks == omitted
+        assert agg.groups.generation > 0
+
+
+def test_stack_groups_number_once_and_are_forgotten_only_when_a_build_starts() -> None:
+    from offtop.model import StackGroups
+
+    groups = StackGroups(max_groups=2)
+    a = groups.number(1, "S", False, K, U)
+    other = tuple(dataclasses.replace(f) for f in U)  # equal frames, another tuple
+    assert other is not U and groups.number(1, "S", False, K, other) == a
+    b = groups.number(1, "D", False, K, U)
+    c = groups.number(2, "S", False, K, U)
+    assert len({a, b, c}) == 3 and groups.thread_of[a] == groups.thread_of[b] != groups.thread_of[c]
+    assert groups.number(3, "S", False, K, U) == 3  # past the bound: nothing forgotten yet
+    assert groups.start_build() and groups.generation == 1 and len(groups) == 0
+    assert not groups.start_build()

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,6 @@ from offtop.bpf.config import EngineConfig, EngineError
 from offtop.bpf.decode import (
     EVENT_STRUCT,
     ST_BEFORE_START,
-    STATE_BITS,
     StackCopy,
     decode_comm,
     new_user_stacks,
@@ -58,7 +57,6 @@ from offtop.model import (
     CaptureStats,
     Frame,
     LongBlock,
-    RawSample,
     Snapshot,
     Waker,
 )
@@ -98,6 +96,10 @@ _FLOOD_NEW = 4_096
 #: Long-block events read from the ring at once (`_read_ring`): ~7 ms of CPU.
 _READ_CHUNK = 4096
 
+#: The user frames of rows summed unresolved (one tuple each: `StackGroups` numbers by it).
+_NOT_RESOLVED = (NOT_RESOLVED,)
+_BEHIND = (BEHIND,)
+
 #: The largest threshold the kernel map accepts (offtop.units bounds what users type).
 MAX_THRESHOLD_NS = 1 << 62
 
@@ -115,24 +117,29 @@ class _Row:
     and given its new sums there without being resolved again, as long as its
     process is the same one (its start time), its stack ids name the same
     stacks (the store's generation) and its waker's stacks are the same ones.
+
+    What the model sums (`GroupedSample`) is named as there; `group` is the
+    row's number in the aggregator's `StackGroups`, given once.
     """
 
-    total: int
+    offcpu_ns: int
     count: int
     max_ns: int
-    comm: bytes
+    comm: str
     kernel: tuple[Frame, ...]
     user: tuple[Frame, ...]
-    before: bool
+    before_start: bool
     waker: Waker | None
     start: int
-    tgid: int
+    pid: int
     tid: int
-    state: int
+    st: int  #: the key's state bits
+    state: str  #: and their name
     ustack: int
     kstack: int
-    event: bool  #: summed from long blocks' events (else from the kernel's sums)
+    from_event: bool  #: summed from long blocks' events (else from the kernel's sums)
     seq: int  #: the interval its sums are of
+    group: int
     final: bool = False  #: its frames and waker may be carried into the next interval
     wus: int = -1  #: the waker's user stack id its waker was resolved from
     wks: int = -1  #: and kernel stack id
@@ -190,7 +197,8 @@ class BpfSource:
         self._wakers = Wakers(self.frames.kernel,
                               lambda pid, sid: self.frames.user(pid, sid, self._deadline))
         self._rows = RowFrames(self.frames, self._wakers)
-        self._comms: dict[bytes, str] = {}  # raw comm -> decoded
+        self._comms: dict[bytes, str] = {}  # raw comm -> decoded (`_comm_text`)
+        self._groups_generation = 0  # the aggregator's StackGroups' its rows are numbered in
         self._ring: PerfRing | None = None
         self._stack_ring: PerfRing | None = None  # new user stacks, whole (see StackStore.offer_user)
         self._watch: MappingWatch | None = None  # the kernel's mapping records (sent_maps)
@@ -656,6 +664,7 @@ class BpfSource:
         were new (neither summed this interval nor carried)."""
         rows = self._known
         accepts = self.targets.accepts
+        comms = self._comms
         new_keys = carried = 0
         carries = self._carry_verdicts()
         for lo in range(0, len(keys), _STOP_CHECK_ROWS):
@@ -679,7 +688,7 @@ class BpfSource:
                 row = rows.get(key)
                 if row is not None:
                     if row.seq == seq:
-                        row.total += total
+                        row.offcpu_ns += total
                         row.count += count
                         if mx > row.max_ns:
                             row.max_ns = mx
@@ -692,8 +701,11 @@ class BpfSource:
                                 row.waker, row.wus, row.wks = w, wus, wks
                             else:
                                 self._new_waker(row, row_of(i)[9], stopping)
-                        row.seq, row.total, row.count, row.max_ns, row.comm = \
-                            seq, total, count, mx, comm
+                        text = comms.get(comm)
+                        if text is None:
+                            text = self._comm_text(comm)
+                        row.seq, row.offcpu_ns, row.count, row.max_ns, row.comm = \
+                            seq, total, count, mx, text
                         carried += 1
                         continue
                 r = row_of(i)
@@ -719,17 +731,18 @@ class BpfSource:
         if kept is not None:
             self._known[key] = self._row(raw, False, seq, kept)
             return False
-        sid, mark = (UNRESOLVED_ID, NOT_RESOLVED) if stopping else (BEHIND_ID, BEHIND)
+        sid, user = (UNRESOLVED_ID, _NOT_RESOLVED) if stopping else (BEHIND_ID, _BEHIND)
         key = (tgid, tid, st, sid)
         row = self._known.get(key)
         if row is not None and row.seq == seq:
-            row.total += total
+            row.offcpu_ns += total
             row.count += count
             row.max_ns = max(row.max_ns, mx)
             return True
-        self._known[key] = _Row(total, count, mx, comm, (), (mark,),
-                                bool(st & ST_BEFORE_START), None, self.frames.start_of(tgid),
-                                tgid, tid, st, sid, sid, False, seq)
+        state, before = state_name(st), bool(st & ST_BEFORE_START)
+        self._known[key] = _Row(total, count, mx, self._comm_text(comm), (), user, before, None,
+                                self.frames.start_of(tgid), tgid, tid, st, state, sid, sid, False,
+                                seq, self.aggregator.groups.number(tid, state, before, (), user))
         return True
 
     def _control_flood(self, now: float) -> None:
@@ -757,13 +770,26 @@ class BpfSource:
             self._finished = "nothing left to watch: " + "; ".join(
                 [*self._interval.notices])
 
-    @staticmethod
-    def _row(raw: RawRow, event: bool, seq: int, resolved: Resolved) -> _Row:
-        """The row of `raw`'s sums, with its resolution."""
+    def _row(self, raw: RawRow, event: bool, seq: int, resolved: Resolved) -> _Row:
+        """The row of `raw`'s sums, with its resolution (and its group's number)."""
         tgid, tid, st, us, ks, total, count, mx, comm, waker = raw
         kernel, user, before, w, start, final = resolved
-        return _Row(total, count, mx, comm, kernel, user, before, w, start, tgid, tid, st, us, ks,
-                    event, seq, final, waker[2], waker[3], waker[4])
+        state = state_name(st)
+        return _Row(total, count, mx, self._comm_text(comm), kernel, user, before, w, start, tgid,
+                    tid, st, state, us, ks, event, seq,
+                    self.aggregator.groups.number(tid, state, before, kernel, user),
+                    final, waker[2], waker[3], waker[4])
+
+    def _comm_text(self, comm: bytes) -> str:
+        """A raw comm decoded (`decode_comm`), remembered: the same few come back at
+        every interval."""
+        comms = self._comms
+        text = comms.get(comm)
+        if text is None:
+            if len(comms) > 100_000:
+                comms.clear()
+            text = comms[comm] = decode_comm(comm)
+        return text
 
     def _carry_verdicts(self) -> Callable[[_Row], bool]:
         """Whether last interval's final row still holds for this one (see _Row), for
@@ -787,10 +813,10 @@ class BpfSource:
         accepts = targets.accepts if targets.any_reused else None
 
         def carries(row: _Row) -> bool:
-            start = by_tgid.get(row.tgid)
+            start = by_tgid.get(row.pid)
             if start is None:
-                start = start_carried(row.tgid)
-            return start == row.start and (accepts is None or accepts(row.tgid, row.tid))
+                start = start_carried(row.pid)
+            return start == row.start and (accepts is None or accepts(row.pid, row.tid))
 
         return carries
 
@@ -800,19 +826,6 @@ class BpfSource:
         rows = self._rows
         row.waker, row.final = rows.kept_waker(raw) if stopping else rows.waker(raw)
         row.wus, row.wks = raw[2], raw[3]
-
-    def _samples(self, rows: dict[bytes | tuple[int, ...], _Row]) -> Iterator[RawSample]:
-        """The interval's summed rows as the model's samples (once per key)."""
-        comms = self._comms
-        if len(comms) > 100_000:
-            comms.clear()
-        states = STATE_BITS  # state_name(), inlined: once per row
-        for r in rows.values():
-            comm = comms.get(r.comm)
-            if comm is None:
-                comm = comms[r.comm] = decode_comm(r.comm)
-            yield (r.tgid, r.tid, comm, states.get(r.state & 0x1FF, "?"), r.total, r.count,
-                   r.max_ns, r.kernel, r.user, r.event, r.start, r.before, r.waker)
 
     # --- the snapshot -------------------------------------------------------
 
@@ -904,8 +917,16 @@ class BpfSource:
         if sweep and usyms is not None:
             usyms.evict(start_time=start_time)
         stacks.trim(start_time)
-        snap = self.aggregator.build_raw(
-            self._samples(rows),
+        groups = self.aggregator.groups
+        groups.start_build()
+        if groups.generation != self._groups_generation:
+            # Every number was forgotten (StackGroups' bound): each row asks again.
+            self._groups_generation = groups.generation
+            number = groups.number
+            for r in kept:
+                r.group = number(r.tid, r.state, r.before_start, r.kernel, r.user)
+        snap = self.aggregator.build_grouped(
+            kept,
             time=time.time(),
             interval_s=elapsed,
             threshold_ns=self._user_threshold_ns,
