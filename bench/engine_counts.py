@@ -45,7 +45,7 @@ from offtop.bpf import (  # noqa: E402
     user_stacks,
 )
 from offtop.gc_pacing import GcPacing  # noqa: E402
-from offtop.model import Aggregator  # noqa: E402
+from offtop.model import Aggregator, StackGroups  # noqa: E402
 from offtop.symbols import UserSymbols  # noqa: E402
 
 #: (class, method) pairs counted: the sub-tick, the new rows' resolution and its
@@ -60,7 +60,7 @@ STEPS: list[tuple[type, str]] = [
     (engine.BpfSource, "_read_new_stacks"), (stack_store.StackStore, "offer_user"),
     (probe.Probe, "stack"), (probe.Probe, "drain_aggregates"), (probe.Probe, "stack_ids"),
     (user_stacks.UserStackRepair, "repair"), (UserSymbols, "resolve_stack"),
-    (Aggregator, "build_grouped"),
+    (Aggregator, "build_grouped"), (StackGroups, "number"), (StackGroups, "start_build"),
 ]
 
 

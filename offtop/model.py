@@ -531,7 +531,7 @@ class StackGroups:
     captured at the busy server: 23-34 ms against 6-8 ms for the top 100 stacks,
     37-60 against 22-35 for all of them).
 
-    Bounded: past `max_groups` numbers (or twice as many frame tuples) everything is
+    Bounded: past `max_groups` numbers (or as many frame tuples) everything is
     forgotten when the next build starts (`start_build`), and `generation` goes up.
     Numbers are never reused within a generation, so that a row keeps its number
     until then, and only then must ask again.
@@ -562,7 +562,7 @@ class StackGroups:
     def start_build(self) -> bool:
         """Called before a build's rows are numbered or summed: past the bound,
         everything is forgotten (True: every number given before is void)."""
-        if len(self.thread_of) <= self.max_groups and self._chains.size <= 2 * self.max_groups:
+        if len(self.thread_of) <= self.max_groups and self._chains.size <= self.max_groups:
             return False
         self.generation += 1
         self._reset()
