@@ -14,7 +14,7 @@ import heapq
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, cast
+from typing import Any, ClassVar, Literal, NotRequired, Protocol, TypedDict, Unpack, cast
 
 from offtop.recent import Recent
 
@@ -166,11 +166,6 @@ class Sample:
     before_start: bool = False
     #: Who ended these blocks (None: not recorded, e.g. --no-wakers).
     waker: Waker | None = None
-
-
-#: A `Sample` as a plain tuple, its fields in order (`Aggregator.build_raw`).
-RawSample = tuple[int, int, str, str, int, int, int, tuple[Frame, ...], tuple[Frame, ...], bool,
-                  int, bool, "Waker | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,24 +492,11 @@ class GroupedSample(Protocol):
     def waker(self) -> Waker | None: ...
 
 
-@dataclass(slots=True)
-class _Grouped:
-    """A raw sample with its group's number (`Aggregator.build_raw`)."""
+@dataclass(frozen=True, slots=True)
+class _Grouped(Sample):
+    """A sample with its group's number (`Aggregator.build`)."""
 
-    group: int
-    pid: int
-    tid: int
-    comm: str
-    state: str
-    offcpu_ns: int
-    count: int
-    max_ns: int
-    kernel: tuple[Frame, ...]
-    user: tuple[Frame, ...]
-    from_event: bool
-    start: int
-    before_start: bool
-    waker: Waker | None
+    group: int = 0
 
 
 class StackGroups:
@@ -596,6 +578,21 @@ class _Total:
     last_seq: int = 0
 
 
+class SnapshotParts(TypedDict):
+    """What a build takes besides the interval's samples (`Aggregator.build_grouped`)."""
+
+    time: float
+    interval_s: float
+    threshold_ns: int
+    long_blocks: NotRequired[Iterable[LongBlock]]
+    blocked_now: NotRequired[Iterable[BlockedNow]]
+    stats: NotRequired[CaptureStats | None]
+    process_meta: NotRequired[Callable[[int], tuple[str, str] | None] | None]
+    meta_limit: NotRequired[int]
+    notices: NotRequired[Iterable[str]]
+    finished: NotRequired[str]
+
+
 class Aggregator:
     """Turns each interval's samples into a `Snapshot`, keeping since-start totals.
 
@@ -626,62 +623,20 @@ class Aggregator:
         """How many threads have since-start totals (bounded by forgetting)."""
         return len(self._totals)
 
-    def build(
-        self,
-        samples: Iterable[Sample],
-        *,
-        time: float,
-        interval_s: float,
-        threshold_ns: int,
-        long_blocks: Iterable[LongBlock] = (),
-        blocked_now: Iterable[BlockedNow] = (),
-        stats: CaptureStats | None = None,
-        process_meta: Callable[[int], tuple[str, str] | None] | None = None,
-        meta_limit: int = 200,
-        notices: Iterable[str] = (),
-        finished: str = "",
-    ) -> Snapshot:
-        """Aggregate one interval and return its snapshot.
+    def build(self, samples: Iterable[Sample], **parts: Unpack[SnapshotParts]) -> Snapshot:
+        """Aggregate one interval and return its snapshot (see `build_grouped`).
 
         `process_meta(pid)` gives (user, command line) for the top `meta_limit`
         processes, or None for a process that is gone.
         """
-        return self.build_raw(
-            ((s.pid, s.tid, s.comm, s.state, s.offcpu_ns, s.count, s.max_ns, s.kernel, s.user,
-              s.from_event, s.start, s.before_start, s.waker) for s in samples),
-            time=time, interval_s=interval_s, threshold_ns=threshold_ns,
-            long_blocks=long_blocks, blocked_now=blocked_now, stats=stats,
-            process_meta=process_meta, meta_limit=meta_limit, notices=notices,
-            finished=finished)
-
-    def build_raw(
-        self,
-        samples: Iterable[RawSample],
-        *,
-        time: float,
-        interval_s: float,
-        threshold_ns: int,
-        long_blocks: Iterable[LongBlock] = (),
-        blocked_now: Iterable[BlockedNow] = (),
-        stats: CaptureStats | None = None,
-        process_meta: Callable[[int], tuple[str, str] | None] | None = None,
-        meta_limit: int = 200,
-        notices: Iterable[str] = (),
-        finished: str = "",
-    ) -> Snapshot:
-        """`build`, from samples as plain tuples in `Sample`'s field order (`RawSample`),
-        each numbered here (`build_grouped` with numbers given afresh)."""
         groups = self.groups
         groups.start_build()
         number = groups.number
-        rows = [_Grouped(number(tid, state, before, kernel, user), pid, tid, comm, state, ns, count,
-                         max_ns, kernel, user, from_event, start, before, waker)
-                for (pid, tid, comm, state, ns, count, max_ns, kernel, user, from_event, start,
-                     before, waker) in samples]
         return self.build_grouped(
-            rows, time=time, interval_s=interval_s, threshold_ns=threshold_ns,
-            long_blocks=long_blocks, blocked_now=blocked_now, stats=stats,
-            process_meta=process_meta, meta_limit=meta_limit, notices=notices, finished=finished)
+            [_Grouped(s.pid, s.tid, s.comm, s.state, s.offcpu_ns, s.count, s.max_ns, s.kernel,
+                      s.user, s.from_event, s.start, s.before_start, s.waker,
+                      number(s.tid, s.state, s.before_start, s.kernel, s.user)) for s in samples],
+            **parts)
 
     def build_grouped(
         self,
