@@ -442,9 +442,9 @@ class _FrameTupleNumbers:
             n = by_id.get(id(frames))
             if n is not None:
                 return n
-            n = by_frames.get(frames)
-            if n is None:
-                n = by_frames[frames] = self._next
+            # One lookup, so the frames are hashed once (a Python call a frame).
+            n = by_frames.setdefault(frames, self._next)
+            if n == self._next:
                 self._next += 1
             by_id[id(frames)] = n
             hold(frames)
