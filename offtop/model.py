@@ -418,24 +418,20 @@ class _FrameTupleNumbers:
     tuple not seen before. The tuples are held (`_held`), so an identity is
     not reused while it is a key: ids map to plain ints, not to (tuple,
     number) pairs, which would be ~15,000 more objects for every full GC
-    pass to walk on a busy server. Bounded: past `max_entries` all is
-    forgotten at the start of a build (never within one), and numbering goes on.
+    pass to walk on a busy server. Unbounded: its owner (`StackGroups`)
+    forgets it whole, with the numbers made from it.
     """
 
-    def __init__(self, max_entries: int = 32_768) -> None:
-        self._max = max_entries
+    def __init__(self) -> None:
         self._by_id: dict[int, int] = {}
         self._held: list[tuple[Frame, ...]] = []
         self._by_frames: dict[tuple[Frame, ...], int] = {}
         self._next = 0
 
-    def start(self) -> tuple[Callable[[int], int | None], Callable[[tuple[Frame, ...]], int]]:
-        """Begin a build: (the number of a tuple seen before, by its `id` alone, else
-        None; the function that numbers any tuple). The first is a dict's own
-        `get`: most tuples of a build were seen before, and a Python call each
-        was a tenth of the build."""
-        if len(self._by_id) > self._max or len(self._by_frames) > self._max:
-            self._by_id, self._held, self._by_frames = {}, [], {}
+    def lookups(self) -> tuple[Callable[[int], int | None], Callable[[tuple[Frame, ...]], int]]:
+        """(the number of a tuple seen before, by its `id` alone, else None; the
+        function that numbers any tuple). The first is a dict's own `get`: most
+        tuples were seen before, and a Python call each was a tenth of a build."""
         by_id, hold, by_frames = self._by_id, self._held.append, self._by_frames
 
         def number(frames: tuple[Frame, ...]) -> int:
@@ -526,8 +522,8 @@ class StackGroups:
         self._reset()
 
     def _reset(self) -> None:
-        self._chains = _FrameTupleNumbers(max_entries=1 << 62)  # bounded here, not there
-        self._seen, self._chain = self._chains.start()
+        self._chains = _FrameTupleNumbers()
+        self._seen, self._chain = self._chains.lookups()
         self._by_key: dict[tuple[int, str, bool, int, int], int] = {}
         self._threads: dict[int, int] = {}
         #: Group number -> its thread's number (numbered in order of first sight).
