@@ -53,7 +53,7 @@ PROBE_FUNCTION = "tracepoint__sched__sched_switch"
 LINEAGE = "lineage"
 #: offcpu.c's map of forked processes not seen yet: they walk by their forker's rules.
 RULES_OWNER = "rules_owner"
-#: Attached by hand, after the sched_waking probe bcc's naming rule attaches (offcpu.c).
+#: Tail-called by the sched_waking probe bcc's naming rule attaches (offcpu.c).
 WAKING_FUNCTION = "on_sched_waking"
 
 # offcpu.c's offtop_config slots.
@@ -185,12 +185,16 @@ class Probe:
                 raise EngineError(f"cannot use cgroup {self.config.cgroup}: {e.strerror or e}") \
                     from None
         if self.config.wakers:
-            # After the sched_waking probe attached above: on_sched_waking reads
-            # what that one found (offcpu.c).
+            # Tail-called by the sched_waking probe attached above, which hands it
+            # what it found (offcpu.c); until then that one calls nothing.
+            fd = obj.progs.get(WAKING_FUNCTION)
             try:
-                obj.attach(WAKING_FUNCTION, "sched:sched_waking")
-            except LoadFailed as e:
-                raise EngineError(f"could not attach to sched:sched_waking: {e.message} "
+                if fd is None:
+                    raise LoadFailed(f"no program {WAKING_FUNCTION}")
+                self._map("waking_next").update(_U32.pack(0), _U32.pack(fd))
+            except (LoadFailed, OSError) as e:
+                why = e.message if isinstance(e, LoadFailed) else (e.strerror or str(e))
+                raise EngineError(f"could not set up the sched:sched_waking probe: {why} "
                                   "(--no-wakers runs without it)") from None
         self.prog_fd = obj.progs.get(PROBE_FUNCTION, -1)
         # The per-thread records and their short-block sums, mapped: read from memory.
