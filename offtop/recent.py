@@ -12,7 +12,7 @@ there, and moved back, at its next use.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -59,6 +59,11 @@ class Recent(Generic[K, V]):
         if len(self._now) + len(self._before) >= self._max:
             self.clear()
         self._now[key] = value
+
+    def drop(self, unwanted: Callable[[K], bool]) -> None:
+        """Forget every key for which `unwanted(key)` (a pass over all that is kept)."""
+        self._now = {k: v for k, v in self._now.items() if not unwanted(k)}
+        self._before = {k: v for k, v in self._before.items() if not unwanted(k)}
 
     def rotate(self) -> None:
         self._before, self._now = self._now, {}

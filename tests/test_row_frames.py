@@ -130,6 +130,33 @@ def test_deleted_stack_ids_forget_every_kept_row(rig: Any) -> None:
     assert rig.rows.hits == 0 and rig.rows.misses == 2
 
 
+def test_a_reclaim_forgets_only_what_is_kept_by_the_kernel_ids_it_deleted(rig: Any) -> None:
+    """A reclaim deletes kernel ids no row used lately; rows and wakers kept by other ids
+    stay kept (a busy server's interrupts fill the map every ~15 s: forgetting all
+    then had every row resolved afresh in one interval)."""
+    stacks = rig.frames.stacks
+    stacks._maps.stacks[("k", 2)] = (0xFFFF2,)
+    irq = 2 << 24
+
+    def row(ks: int) -> Any:
+        rig.frames.new_subtick()
+        return rig.rows.resolve(PID, PID, 1, 7, ks, NO_WAKER, float("inf"))
+
+    stacks.next_interval(1)
+    row(1), row(2)
+    assert rig.rows.waker((0, 0, -1, 2, irq, b""))[1]  # an interrupt's waker, kept by id 2
+    stacks.next_interval(4)
+    row(1)  # id 1 used now, id 2 not since interval 1
+    stacks.reclaim(live=set())
+    assert (stacks.kernel_frees, stacks.freed_kernel_ids, stacks.generation) == (1, {2}, 0)
+    hits = rig.rows.hits
+    row(1)
+    assert rig.rows.hits == hits + 1  # kept on
+    row(2)
+    assert rig.rows.hits == hits + 1 and rig.rows.misses == 3  # resolved afresh
+    assert rig.rows.kept_interrupt_waker(irq, 2) is None
+
+
 def test_rows_of_a_python_process_are_never_kept(rig: Any) -> None:
     rig.frames.python = FakePython({PID})
     resolve(rig)

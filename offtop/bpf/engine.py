@@ -228,6 +228,7 @@ class BpfSource:
         # block's with a byte more), or (tgid, tid, state, UNRESOLVED_ID or BEHIND_ID).
         self._known: dict[bytes | tuple[int, ...], _Row] = {}
         self._known_generation = 0
+        self._known_frees = 0
         #: Rows carried into an interval without being resolved again (cumulative).
         self.carried = 0
         self._last_tick = 0.0
@@ -614,11 +615,16 @@ class BpfSource:
         last time, into this interval's rows; how many keys were new (`_sum_rows`)."""
         stacks = self.frames.stacks
         assert stacks is not None
-        if stacks.generation != self._known_generation:
-            # Ids were deleted (and may be handed out again): nothing is carried.
-            self._known_generation = stacks.generation
+        if stacks.generation != self._known_generation or stacks.kernel_frees != self._known_frees:
+            # Ids were deleted (and may be handed out again): the rows that name
+            # them are not carried (a reclaim deletes none of the interval's rows'
+            # ids; a cleared cache, every row).
+            freed = (stacks.freed_since(self._known_frees)
+                     if stacks.generation == self._known_generation else None)
+            self._known_generation, self._known_frees = stacks.generation, stacks.kernel_frees
             for kept in self._known.values():
-                kept.final = False
+                if freed is None or kept.kstack in freed or kept.wks in freed:
+                    kept.final = False
         seq = self._seq + 1  # the interval being summed
         new_keys = self._sum_rows(drained.keys, drained.sums, drained.row, False, deadline, seq)
         if self._event_acc:

@@ -22,8 +22,9 @@ server most carried rows have an interrupt's new stack at each interval
 (what it interrupted differs), and the engine finds it without decoding
 the row (`kept_interrupt_waker`).
 
-The stack store renumbers nothing behind a kept entry: deleted ids (and a
-cleared cache) bump its `generation`, which empties this one. A hit stamps
+The stack store renumbers nothing behind a kept entry: a cleared cache bumps
+its `generation`, which empties this one, and what is kept by the kernel ids
+it deleted is dropped (`StackStore.freed_since`). A hit stamps
 its ids as used, as a resolution would, so that they are not reclaimed.
 What no row has asked for in a whole interval is dropped (`next_interval`):
 with process churn, the rows of processes gone would pile up.
@@ -55,6 +56,7 @@ class RowFrames:
                             tuple[tuple[Frame, ...], tuple[Frame, ...], bool]] = Recent(max_kept)
         self._wakers_kept: Recent[tuple[int | bytes, ...], Waker | None] = Recent(max_kept)
         self._generation = -1
+        self._frees = 0
         self.hits = 0  #: rows resolved from what was kept (cumulative)
         self.misses = 0  #: rows resolved afresh (cumulative)
 
@@ -118,13 +120,22 @@ class RowFrames:
         return key, start, python, kept
 
     def _check_generation(self) -> None:
-        """Ids renumbered since (the store's generation) empty what is kept."""
+        """Ids renumbered since (the store's generation) empty what is kept; kernel ids
+        deleted since (`StackStore.freed_since`), what is kept by those."""
         stacks = self._frames.stacks
         assert stacks is not None
-        if stacks.generation != self._generation:
+        if stacks.generation == self._generation and stacks.kernel_frees == self._frees:
+            return
+        freed = stacks.freed_since(self._frees) if stacks.generation == self._generation else None
+        self._generation, self._frees = stacks.generation, stacks.kernel_frees
+        if freed is None:
             self._kept.clear()
             self._wakers_kept.clear()
-            self._generation = stacks.generation
+        elif freed:
+            # Keys: (tgid, start, tid, state, ustack, kstack); a waker's, (what, kstack)
+            # for an interrupt, else (tgid, tid, ustack, kstack, what, comm, start).
+            self._kept.drop(lambda key: key[5] in freed)
+            self._wakers_kept.drop(lambda key: key[1 if len(key) == 2 else 3] in freed)
 
     def kept_interrupt_waker(self, what: int, ks: int) -> Waker | None:
         """The kept waker of an interrupt (`what`, as a key's `waker_what`) whose kernel

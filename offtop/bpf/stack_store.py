@@ -116,9 +116,18 @@ class StackStore:
         self._copies: dict[int, StackCopy] = {}  # user id -> its stack's top (offer_copies)
         self._seq = 0
         self.stats = StackStats()
-        #: Bumped whenever ids are deleted or cached frames dropped wholesale: what
-        #: was learnt from an id before may name another stack now.
+        #: Bumped whenever cached frames are dropped wholesale: what was learnt
+        #: from any id before may name another stack now.
         self.generation = 0
+        #: Counts the reclaims that deleted kernel ids; the latest one's ids. What
+        #: was learnt from those may name another stack now (the kernel hands a
+        #: deleted id to the next stack that hashes to it), the rest holds: the ids
+        #: deleted are those no row of the last two intervals used. On a busy
+        #: server interrupts' stacks (each through what it stopped) fill the map
+        #: every ~15 s; a `generation` bump there had every carried row and
+        #: everything kept resolved afresh, and offtop fell behind in that interval.
+        self.kernel_frees = 0
+        self.freed_kernel_ids: frozenset[int] = frozenset()
 
     @property
     def cached(self) -> int:
@@ -365,11 +374,20 @@ class StackStore:
         for sid in victims:
             del kernels[sid]
         if victims:
-            self.generation += 1
+            self.kernel_frees += 1
+            self.freed_kernel_ids = frozenset(victims)
             kernel = self._kernel
             for sid in victims:
                 kernel.pop(sid, None)
             self.stats.reclaimed += len(victims)
+
+    def freed_since(self, frees: int) -> frozenset[int] | None:
+        """The kernel ids deleted since `kernel_frees` was `frees`: none, the latest
+        reclaim's, or None when more than one reclaim came since (what was learnt
+        from any kernel id may be stale)."""
+        if frees == self.kernel_frees:
+            return frozenset()
+        return self.freed_kernel_ids if frees == self.kernel_frees - 1 else None
 
     def _half_full(self) -> set[str]:
         """The kinds whose map is at least half full."""
