@@ -100,6 +100,21 @@ def _hex_numbers(lines: list[bytes], width: int) -> tuple[list[bytes], Sequence[
     return [lines[i] for i in kept], [int(digits[i], 16) for i in kept]
 
 
+def _symbol_range(kallsyms: bytes, width: int, first: bytes, last: bytes) -> tuple[int, int] | None:
+    """The addresses of two symbols of /proc/kallsyms, (first's, last's), if both are
+    there, nonzero and in order."""
+    found = []
+    for name in (first, last):
+        at = kallsyms.find(b" " + name + b"\n")
+        line = kallsyms[kallsyms.rfind(b"\n", 0, at) + 1:at] if at >= 0 else b""
+        try:
+            found.append(int(line[:width], 16) if len(line) == width + 2 else 0)
+        except ValueError:
+            found.append(0)
+    lo, hi = found
+    return (lo, hi) if 0 < lo < hi else None
+
+
 class KernelSymbols:
     """/proc/kallsyms, sorted, looked up by bisection, cached per address.
 
@@ -125,6 +140,8 @@ class KernelSymbols:
             data = f.read()
         lines = data.rstrip(b"\n").split(b"\n") if data else []
         w = self._width = max(lines[0].find(b" "), 1) if lines else 1
+        #: The kernel's entry code, [start, end) (where interrupts' paths begin), if listed.
+        self.entry_text = _symbol_range(data, w, b"__entry_text_start", b"__entry_text_end")
         text = _KALLSYMS_TEXT
         # A line of another address width (none on a sane kernel) is left out.
         mine = [line for line in lines if len(line) > w + 3 and line[w] == 32 and line[w + 1] in text]

@@ -238,6 +238,7 @@ def test_timer_woken_rows_carried_across_intervals_keep_their_interrupt_wakers(r
     its timer's, with its path up to the interrupt's entry, never the
     interrupted task."""
     from offtop.bpf.engine import BpfSource, EngineConfig
+    from offtop.symbols import KernelSymbols
 
     ws = [run("timer", "20") for _ in range(4)]
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -250,6 +251,14 @@ def test_timer_woken_rows_carried_across_intervals_keep_their_interrupt_wakers(r
         carried = src.carried
         snaps += [src.next_snapshot(1.0, stop) for _ in range(3)]
         assert src.carried > carried  # their rows were carried, their wakers named again
+        # The probe kept the interrupts' stacks cut after their entry (offcpu.c
+        # irq_path_id): a few paths, whatever the spinners were doing when stopped,
+        # and no kernel_stacks id for each.
+        entry = KernelSymbols().entry_text
+        assert entry is not None
+        paths = [src.probe.stack("i", sid) for sid in src.probe.stack_ids("i")]
+        assert paths and all(p and entry[0] <= p[-1] < entry[1] for p in paths), paths
+        assert len(paths) <= 16, len(paths)
     finally:
         src.close()
         for p in spinners:

@@ -83,6 +83,9 @@ class Waker(ct.Structure):
 
 #: offcpu.c WAKER_*: the kind of waker, in `what >> 24` (the low 24 bits: a number).
 WAKER_KINDS: dict[int, str] = {0: "", 1: "task", 2: "interrupt"}
+#: A kernel stack id at or above this names an interrupt's path in offcpu.c's
+#: irq_paths (its stack cut at the kernel's entry code), not a kernel_stacks entry.
+IRQ_PATH_BASE = 1 << 30
 
 
 class StartRecord(ct.Structure):

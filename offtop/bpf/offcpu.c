@@ -87,6 +87,8 @@
 #define CFG_ARMED 1     // 1 once Python has written every map the program reads
 #define CFG_CGROUP_GEN 2 // bumped by the program on every cgroup migration
 #define CFG_WAKER_MIN 3  // take a waker's stacks only for blocks at least this long (ns)
+#define CFG_ENTRY_LO 4   // the kernel's entry code, [lo, hi) (__entry_text_start/_end):
+#define CFG_ENTRY_HI 5   //   where an interrupt's path begins (0, 0: not known yet)
 
 // Who ended a block: the task that woke it, or an interrupt. Mirrored by
 // decode.Waker. `what` is WAKER_* << 24 | the irq or softirq number.
@@ -195,7 +197,7 @@ struct ustack_t { u64 ip[OFFTOP_USTACK_DEPTH]; };
 // The threshold, written from Python at any time (bcc 0.26 cannot load
 // true BPF globals, so it is a one-slot array map of the global's name).
 BPF_ARRAY(offcpu_thresh_ns, u64, 1);
-BPF_ARRAY(offtop_config, u64, 4);
+BPF_ARRAY(offtop_config, u64, 6);
 
 BPF_PERCPU_ARRAY(offtop_counters, u64, C_MAX);
 BPF_PERCPU_ARRAY(offcpu_payload, struct offcpu_event, 1);
@@ -987,6 +989,68 @@ TRACEPOINT_PROBE(sched, sched_waking)
     return 0;
 }
 
+#if OFFTOP_KERNEL_STACKS
+// An interrupt's kernel stack runs through whatever it stopped: a task's
+// system call, another interrupt, the idle loop. As a stack id of
+// kernel_stacks each one is a new id (on a busy server ~300 a second, the
+// map full every ~15 s), though only the path up to the interrupt's entry
+// says anything of the wakeup (Python's waker shows that path alone). So an
+// interrupt's stack is taken whole, cut after its first frame in the
+// kernel's entry code (asm_sysvec_*, asm_common_interrupt: the range is
+// written by Python from kallsyms), and kept in irq_paths under an id made
+// of a hash of the path, with IRQ_PATH_BASE set: kernel_stacks' ids are below
+// it. Entries are never deleted, so an id always names one path; a path
+// whose id another holds gets -EEXIST, as a full stack map's would, and a
+// full map -ENOMEM. Until the range is written, kernel_stacks as before.
+#define IRQ_PATH_BASE 0x40000000
+BPF_PERCPU_ARRAY(irq_path_now, struct kstack_t, 1);
+BPF_HASH(irq_paths, u32, struct kstack_t, 4096);
+
+static __always_inline int irq_path_id(void *args)
+{
+    u32 lo_slot = CFG_ENTRY_LO, hi_slot = CFG_ENTRY_HI, zero = 0;
+    u64 *lo = offtop_config.lookup(&lo_slot);
+    u64 *hi = offtop_config.lookup(&hi_slot);
+    if (!lo || !hi || *hi <= *lo)
+        return kernel_stacks.get_stackid(args, 0);
+    u64 from = *lo, to = *hi;
+    struct kstack_t *p = irq_path_now.lookup(&zero);
+    if (!p)
+        return -12;  // ENOMEM
+    long got = bpf_get_stack(args, p->ip, sizeof(p->ip), 0);
+    if (got <= 0)
+        return got < 0 ? (int)got : -14;  // EFAULT
+    u32 n = (u32)got / 8;
+    u32 h = 2166136261;  // FNV-1a over the path's words
+    u32 cut = 0;
+    for (u32 i = 0; i < OFFTOP_KSTACK_DEPTH; i++) {
+        if (cut || i >= n) {
+            p->ip[i] = 0;
+            continue;
+        }
+        u64 ip = p->ip[i];
+        h = (h ^ (u32)ip) * 16777619;
+        h = (h ^ (u32)(ip >> 32)) * 16777619;
+        if (ip >= from && ip < to)
+            cut = 1;
+    }
+    u32 id = (h & (IRQ_PATH_BASE - 1)) | IRQ_PATH_BASE;
+    struct kstack_t *had = irq_paths.lookup(&id);
+    if (!had) {
+        if (irq_paths.insert(&id, p) == 0)
+            return id;
+        had = irq_paths.lookup(&id);  // another CPU's, just now (or the map is full)
+        if (!had)
+            return -12;  // ENOMEM
+    }
+    for (u32 i = 0; i < OFFTOP_KSTACK_DEPTH; i++) {
+        if (had->ip[i] != p->ip[i])
+            return -17;  // EEXIST
+    }
+    return id;
+}
+#endif
+
 // A recorded task is being woken: remember by whom, in its record; the block
 // it ends carries that into its event or aggregate. This runs in the waking
 // context (current is the waker, unless in an interrupt), under the wakee's
@@ -1010,7 +1074,8 @@ int on_sched_waking(void *tp_ctx)
     struct waker w = {};
     w.ustack = -1;
     w.kstack = -1;
-    if (wc && wc->wakee == args->pid && wc->irq) {
+    u32 irq = wc && wc->wakee == args->pid && wc->irq;
+    if (irq) {
         w.what = WAKER_IRQ << 24;
     } else {
         u64 id = bpf_get_current_pid_tgid();
@@ -1023,7 +1088,7 @@ int on_sched_waking(void *tp_ctx)
     u64 *min = offtop_config.lookup(&min_slot);
     if (min && bpf_ktime_get_ns() - rec->ts >= *min) {
 #if OFFTOP_KERNEL_STACKS
-        w.kstack = kernel_stacks.get_stackid(args, 0);
+        w.kstack = irq ? irq_path_id(args) : kernel_stacks.get_stackid(args, 0);
 #endif
 #if OFFTOP_USER_STACKS && defined(__x86_64__)
         if (w.tid)

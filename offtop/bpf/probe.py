@@ -60,6 +60,10 @@ WAKING_FUNCTION = "on_sched_waking"
 CFG_GEN = 0
 CFG_ARMED = 1
 CFG_WAKER_MIN = 3
+CFG_ENTRY_LO = 4
+CFG_ENTRY_HI = 5
+#: The map of each kind of stack id.
+_STACK_TABLES = {"k": "kernel_stacks", "u": "user_stacks", "i": "irq_paths"}
 #: offcpu.c SLOT_PROBES: a thread's record is in one of these slots from tid % slots.
 SLOT_PROBES = 4
 _U32 = struct.Struct("<I")
@@ -444,10 +448,18 @@ class Probe:
     # --- stacks -------------------------------------------------------------
 
     def _stack_table(self, kind: str) -> BpfMap:
-        return self._map("kernel_stacks" if kind == "k" else "user_stacks")
+        return self._map(_STACK_TABLES[kind])
+
+    def set_entry_text(self, lo: int, hi: int) -> None:
+        """Where the kernel's entry code is, [lo, hi): interrupts' stacks are cut at their
+        first frame there and kept as paths (offcpu.c irq_path_id) from now on."""
+        if self.has_map("irq_paths"):
+            self._config_slot(CFG_ENTRY_LO, lo)
+            self._config_slot(CFG_ENTRY_HI, hi)
 
     def stack(self, kind: str, sid: int) -> tuple[int, ...] | None:
-        """The addresses of stack `sid` ('k' or 'u'), innermost first; None if absent.
+        """The addresses of stack `sid` ('k', 'u', or 'i': an interrupt's path), innermost
+        first; None if absent.
 
         From the engine's thread only (one reader per map, buffers reused)."""
         reader = self._stack_readers.get(kind)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from offtop.bpf.decode import StackCopy, record_addresses
+from offtop.bpf.decode import IRQ_PATH_BASE, StackCopy, record_addresses
 from offtop.model import MARK_DEPTH_LIMIT, MARK_TRUNCATED, MARK_USER_STACK_LOST, Frame
 from offtop.symbols import KernelSymbols, UserSymbols
 from offtop.targets import task_start_time
@@ -150,17 +150,18 @@ class StackStore:
     def touch(self, ksid: int, usid: int) -> None:
         """Stamp ids as used now, as resolving them would (they are not reclaimed)."""
         seq = self._seq
-        if ksid >= 0:
+        if 0 <= ksid < IRQ_PATH_BASE:
             self._last_use["k"][ksid] = seq
         if usid >= 0:
             self._last_use["u"][usid] = seq
 
     def touch_all(self, kernel_ids: Iterable[int], user_ids: Iterable[int]) -> None:
-        """`touch` for many ids at once (negative ids, which name no stack, are skipped)."""
+        """`touch` for many ids at once (negative ids, which name no stack, and interrupts'
+        paths, never reclaimed, are skipped)."""
         seq = self._seq
         for kind, ids in (("k", kernel_ids), ("u", user_ids)):
             used = set(ids)
-            used.difference_update([i for i in used if i < 0])
+            used.difference_update([i for i in used if i < 0 or i >= IRQ_PATH_BASE])
             self._last_use[kind].update(dict.fromkeys(used, seq))
 
     def final(self, pid: int, start: int, sid: int) -> bool:
@@ -221,10 +222,12 @@ class StackStore:
         """The kernel frames of id `sid` (() for none)."""
         if sid < 0 or self.kernel_symbols is None:
             return ()
-        self._last_use["k"][sid] = self._seq
+        path = sid >= IRQ_PATH_BASE  # an interrupt's path (offcpu.c irq_paths): never deleted
+        if not path:
+            self._last_use["k"][sid] = self._seq
         frames = self._kernel.get(sid)
         if frames is None:
-            addrs = self._maps.stack("k", sid)
+            addrs = self._maps.stack("i" if path else "k", sid)
             frames = self.kernel_symbols.resolve_stack(addrs) if addrs else ()
             if addrs and len(addrs) >= self._kdepth:
                 frames = (*frames, Frame(name=MARK_DEPTH_LIMIT, kernel=True))
