@@ -1000,8 +1000,9 @@ TRACEPOINT_PROBE(sched, sched_waking)
 // written by Python from kallsyms), and kept in irq_paths under an id made
 // of a hash of the path, with IRQ_PATH_BASE set: kernel_stacks' ids are below
 // it. Entries are never deleted, so an id always names one path; a path
-// whose id another holds gets -EEXIST, as a full stack map's would, and a
-// full map -ENOMEM. Until the range is written, kernel_stacks as before.
+// whose id another holds gets -EEXIST, as a full stack map's would. Until
+// the range is written, or once the map is full (paths not cut: an entry
+// outside the range), kernel_stacks as before.
 #define IRQ_PATH_BASE 0x40000000
 BPF_PERCPU_ARRAY(irq_path_now, struct kstack_t, 1);
 BPF_HASH(irq_paths, u32, struct kstack_t, 4096);
@@ -1041,7 +1042,7 @@ static __always_inline int irq_path_id(void *args)
             return id;
         had = irq_paths.lookup(&id);  // another CPU's, just now (or the map is full)
         if (!had)
-            return -12;  // ENOMEM
+            return kernel_stacks.get_stackid(args, 0);  // full: as before
     }
     for (u32 i = 0; i < OFFTOP_KSTACK_DEPTH; i++) {
         if (had->ip[i] != p->ip[i])
