@@ -55,6 +55,8 @@ LINEAGE = "lineage"
 RULES_OWNER = "rules_owner"
 #: Tail-called by the sched_waking probe bcc's naming rule attaches (offcpu.c).
 WAKING_FUNCTION = "on_sched_waking"
+#: And the one on_sched_waking tail-calls for an interrupt's path.
+IRQ_WAKER_FUNCTION = "on_irq_waker"
 
 # offcpu.c's offtop_config slots.
 CFG_GEN = 0
@@ -191,11 +193,14 @@ class Probe:
         if self.config.wakers:
             # Tail-called by the sched_waking probe attached above, which hands it
             # what it found (offcpu.c); until then that one calls nothing.
-            fd = obj.progs.get(WAKING_FUNCTION)
             try:
-                if fd is None:
-                    raise LoadFailed(f"no program {WAKING_FUNCTION}")
-                self._map("waking_next").update(_U32.pack(0), _U32.pack(fd))
+                for slot, name in enumerate((WAKING_FUNCTION, IRQ_WAKER_FUNCTION)):
+                    fd = obj.progs.get(name)
+                    if fd is None:
+                        if name == IRQ_WAKER_FUNCTION and not self.config.kernel_stacks:
+                            continue
+                        raise LoadFailed(f"no program {name}")
+                    self._map("waking_next").update(_U32.pack(slot), _U32.pack(fd))
             except (LoadFailed, OSError) as e:
                 why = e.message if isinstance(e, LoadFailed) else (e.strerror or str(e))
                 raise EngineError(f"could not set up the sched:sched_waking probe: {why} "
