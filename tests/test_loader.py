@@ -652,12 +652,18 @@ def test_attached_in_order_and_detached_on_close(bpf_available: None,
         assert [e["prog_id"] for e in by_tp["sched_switch"]] == [switch_id]
         assert {"sched_process_free", "sched_process_exec", "cgroup_attach_task",
                 "cgroup_transfer_tasks"} <= set(by_tp)
-        # The interrupt check first, on_sched_waking after it (attached in fd order).
+        # One program on sched_waking, the interrupt check; it tail-calls the waker
+        # program and that one the interrupt's path (a program array: read from here,
+        # its slots give the programs' ids).
         assert p._obj is not None
+        progs = p._obj.progs
         waking = [e["prog_id"] for e in by_tp["sched_waking"]]
-        assert waking == [_prog_id(p._obj.progs["tracepoint__sched__sched_waking"]),
-                          _prog_id(p._obj.progs["on_sched_waking"])]
-        ids = [e["prog_id"] for e in links]
+        assert waking == [_prog_id(progs["tracepoint__sched__sched_waking"])]
+        table = p._obj.maps["waking_next"]
+        called = [table.lookup(struct.pack("<I", slot)) for slot in (0, 1)]
+        assert [struct.unpack("<I", v)[0] if v else None for v in called] == [
+            _prog_id(progs["on_sched_waking"]), _prog_id(progs["on_irq_waker"])]
+        ids = [e["prog_id"] for e in links] + [_prog_id(progs["on_irq_waker"])]
     finally:
         p.close()
     assert _perf_links(os.getpid()) == []
