@@ -64,7 +64,8 @@ def test_ids_unused_for_two_intervals_are_deleted_once_half_full() -> None:
     # Only what is learnt from the ids deleted is stale: not everything (`generation`).
     assert (s.generation, s.kernel_frees, s.freed_kernel_ids) == (0, 1, {2, 3})
     assert s.stats.reclaimed == 2
-    assert (s.freed_since(1), s.freed_since(0), s.freed_since(-1)) == (set(), {2, 3}, None)
+    assert (s.stale_ids((0, 1)), s.stale_ids((0, 0)), s.stale_ids((0, -1))) == (set(), {2, 3}, None)
+    assert s.stale_ids((-1, 1)) is None  # a cleared cache: every id
     assert (s.last_use("k", 0), s.last_use("k", 1), s.last_use("k", 2)) == (4, 1, None)
 
 

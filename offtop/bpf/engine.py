@@ -227,8 +227,7 @@ class BpfSource:
         # Keyed by offcpu.c's struct agg_key as bytes (`Drained.keys`; a long
         # block's with a byte more), or (tgid, tid, state, UNRESOLVED_ID or BEHIND_ID).
         self._known: dict[bytes | tuple[int, ...], _Row] = {}
-        self._known_generation = 0
-        self._known_frees = 0
+        self._known_at = (0, 0)  # where the stack store was when `_known` was checked
         #: Rows carried into an interval without being resolved again (cumulative).
         self.carried = 0
         self._last_tick = 0.0
@@ -617,13 +616,12 @@ class BpfSource:
         last time, into this interval's rows; how many keys were new (`_sum_rows`)."""
         stacks = self.frames.stacks
         assert stacks is not None
-        if stacks.generation != self._known_generation or stacks.kernel_frees != self._known_frees:
+        if stacks.at != self._known_at:
             # Ids were deleted (and may be handed out again): the rows that name
             # them are not carried (a reclaim deletes none of the interval's rows'
             # ids; a cleared cache, every row).
-            freed = (stacks.freed_since(self._known_frees)
-                     if stacks.generation == self._known_generation else None)
-            self._known_generation, self._known_frees = stacks.generation, stacks.kernel_frees
+            freed = stacks.stale_ids(self._known_at)
+            self._known_at = stacks.at
             for kept in self._known.values():
                 if freed is None or kept.kstack in freed or kept.wks in freed:
                     kept.final = False

@@ -24,7 +24,7 @@ the row (`kept_interrupt_waker`).
 
 The stack store renumbers nothing behind a kept entry: a cleared cache bumps
 its `generation`, which empties this one, and what is kept by the kernel ids
-it deleted is dropped (`StackStore.freed_since`). A hit stamps
+it deleted is dropped (`StackStore.stale_ids`). A hit stamps
 its ids as used, as a resolution would, so that they are not reclaimed.
 What no row has asked for in a whole interval is dropped (`next_interval`):
 with process churn, the rows of processes gone would pile up.
@@ -55,8 +55,7 @@ class RowFrames:
         self._kept: Recent[tuple[int, ...],
                             tuple[tuple[Frame, ...], tuple[Frame, ...], bool]] = Recent(max_kept)
         self._wakers_kept: Recent[tuple[int | bytes, ...], Waker | None] = Recent(max_kept)
-        self._generation = -1
-        self._frees = 0
+        self._at = (-1, 0)  # where the stack store was when what is kept was checked
         self.hits = 0  #: rows resolved from what was kept (cumulative)
         self.misses = 0  #: rows resolved afresh (cumulative)
 
@@ -120,14 +119,15 @@ class RowFrames:
         return key, start, python, kept
 
     def _check_generation(self) -> None:
-        """Ids renumbered since (the store's generation) empty what is kept; kernel ids
-        deleted since (`StackStore.freed_since`), what is kept by those."""
+        """What is kept by kernel ids deleted since (`StackStore.stale_ids`) is dropped;
+        after a cleared cache, everything."""
         stacks = self._frames.stacks
         assert stacks is not None
-        if stacks.generation == self._generation and stacks.kernel_frees == self._frees:
+        at = stacks.at
+        if at == self._at:
             return
-        freed = stacks.freed_since(self._frees) if stacks.generation == self._generation else None
-        self._generation, self._frees = stacks.generation, stacks.kernel_frees
+        freed = stacks.stale_ids(self._at)
+        self._at = at
         if freed is None:
             self._kept.clear()
             self._wakers_kept.clear()

@@ -384,10 +384,18 @@ class StackStore:
                 kernel.pop(sid, None)
             self.stats.reclaimed += len(victims)
 
-    def freed_since(self, frees: int) -> frozenset[int] | None:
-        """The kernel ids deleted since `kernel_frees` was `frees`: none, the latest
-        reclaim's, or None when more than one reclaim came since (what was learnt
-        from any kernel id may be stale)."""
+    @property
+    def at(self) -> tuple[int, int]:
+        """Where the store is, for `stale_ids`: (`generation`, `kernel_frees`)."""
+        return self.generation, self.kernel_frees
+
+    def stale_ids(self, seen: tuple[int, int]) -> frozenset[int] | None:
+        """The kernel ids whose frames, learnt when the store was `seen` (its `at`), may
+        name another stack now: none (empty), those the latest reclaim deleted, or None
+        for every id (a cleared cache, or more than one reclaim since)."""
+        generation, frees = seen
+        if generation != self.generation:
+            return None
         if frees == self.kernel_frees:
             return frozenset()
         return self.freed_kernel_ids if frees == self.kernel_frees - 1 else None
