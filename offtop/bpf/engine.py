@@ -300,8 +300,8 @@ class BpfSource:
             raise
         if self._ksyms is None and cfg.kernel_stacks:
             self._ksyms = KernelSymbols()
-        if self._ksyms is not None and self._ksyms.entry_text is not None and cfg.wakers:
-            self.probe.set_entry_text(*self._ksyms.entry_text)
+        if self._ksyms is not None and self._ksyms.entry_text is not None:
+            self.probe.set_entry_text(*self._ksyms.entry_text)  # a no-op without wakers
         if self._usyms is None and cfg.user_stacks:
             self._usyms = UserSymbols()
         repair = None

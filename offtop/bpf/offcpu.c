@@ -1101,7 +1101,8 @@ int on_sched_waking(void *tp_ctx)
     }
     u32 min_slot = CFG_WAKER_MIN;
     u64 *min = offtop_config.lookup(&min_slot);
-    if (min && bpf_ktime_get_ns() - rec->ts >= *min) {
+    u32 long_block = min && bpf_ktime_get_ns() - rec->ts >= *min;
+    if (long_block) {
 #if OFFTOP_KERNEL_STACKS
         if (!irq)
             w.kstack = kernel_stacks.get_stackid(args, 0);
@@ -1116,7 +1117,7 @@ int on_sched_waking(void *tp_ctx)
     // An interrupt's path, in a program of its own (on_irq_waker): verified apart,
     // its loops do not multiply this program's paths (the verifier took ~40 ms
     // more at every start with them inline).
-    if (irq && min && bpf_ktime_get_ns() - rec->ts >= *min)
+    if (irq && long_block)
         waking_next.call(args, 1);
 #endif
     return 0;

@@ -193,12 +193,13 @@ class Probe:
         if self.config.wakers:
             # Tail-called by the sched_waking probe attached above, which hands it
             # what it found (offcpu.c); until then that one calls nothing.
+            # (The interrupt's path is a kernel stack: no program for it without them.)
+            called = ([WAKING_FUNCTION, IRQ_WAKER_FUNCTION] if self.config.kernel_stacks
+                      else [WAKING_FUNCTION])
             try:
-                for slot, name in enumerate((WAKING_FUNCTION, IRQ_WAKER_FUNCTION)):
+                for slot, name in enumerate(called):
                     fd = obj.progs.get(name)
                     if fd is None:
-                        if name == IRQ_WAKER_FUNCTION and not self.config.kernel_stacks:
-                            continue
                         raise LoadFailed(f"no program {name}")
                     self._map("waking_next").update(_U32.pack(slot), _U32.pack(fd))
             except (LoadFailed, OSError) as e:
