@@ -4,6 +4,8 @@
     .venv/bin/python bench/busy_server.py                 3 rounds, 30 s after a 10 s warm-up each
     .venv/bin/python bench/busy_server.py --quick         2 rounds, 15 s after 8 s
     .venv/bin/python bench/busy_server.py --rate 60000    the load at another pace (blocks/s)
+    .venv/bin/python bench/busy_server.py --quick --churn 0 --no-readme
+                                                          the load without new processes (what churn costs)
     .venv/bin/python bench/busy_server.py --quick --options=--no-wakers --options=--no-stacks
                                                           what options save, side by side with defaults
     .venv/bin/python bench/busy_server.py --profile [--label before|after]
