@@ -137,8 +137,6 @@ def main() -> int:
         return 2
     spec = LoadSpec(procs=args.procs, threads=args.threads, rate=args.rate, churn=args.churn)
     exe = build_load()
-    load = subprocess.Popen([str(exe), *spec.argv(), "--io-dir", str(OUT)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     counts = Counts()
     for cls, name in STEPS:
         counts.wrap(cls, name)
@@ -152,6 +150,10 @@ def main() -> int:
         return out
 
     engine.new_user_stacks = counted_new
+    # Started once everything above is in place, and stopped whatever happens after:
+    # a load left running doubles the next run's (1,000 more threads).
+    load = subprocess.Popen([str(exe), *spec.argv(), "--io-dir", str(OUT)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(3)
         src = engine.BpfSource(engine.EngineConfig(),
