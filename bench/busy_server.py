@@ -511,8 +511,9 @@ def measure(tool: Tool, load: Load, plan: Plan, tag: str) -> dict[str, Any]:
     k1, t1 = cpu_ticks(tool.pid), time.monotonic()
     threads1 = thread_ticks(tool.pid) if split else {}
     m1, b = machine_switches(), load.sample()
+    cpu_s = (k1 - k0) / os.sysconf("SC_CLK_TCK")
     out: dict[str, Any] = {
-        "cpu_pct": 100.0 * (k1 - k0) / os.sysconf("SC_CLK_TCK") / (t1 - t0),
+        "cpu_pct": 100.0 * cpu_s / (t1 - t0),
         "rss_mb": statistics.median(rss),
         "peak_rss_mb": max(rss_mb(tool.pid, "VmHWM"), *rss),
         "load": load_rates(a, b),
@@ -527,12 +528,18 @@ def measure(tool: Tool, load: Load, plan: Plan, tag: str) -> dict[str, Any]:
             seq1 = _seq_of(screen) or 0
             if seq0 is not None:
                 out["snapshots_per_s"] = (seq1 - seq0) / (t1 - t0)
+                if seq1 > seq0:  # counted: ~13 a window, so to ~7%
+                    out["cpu_ms_per_snapshot"] = 1000 * cpu_s / (seq1 - seq0)
             out["header"] = "\n".join(screen.splitlines()[:2])
             out["threads"] = thread_split(tool.pid, threads0, threads1, t1 - t0)
     if isinstance(tool, OfftopBatch):
         inside = [ln for ln in tool.lines if t0 <= ln.at <= t1]
         out["json_line_bytes"] = [ln.size for ln in inside]
         out["interval_s"] = [ln.interval_s for ln in inside if ln.interval_s is not None]
+        if out["interval_s"]:
+            # By the lines' own lengths, not their count (13 or 14 in a window: a 7% step).
+            out["cpu_ms_per_snapshot"] = (1000 * cpu_s * statistics.mean(out["interval_s"])
+                                          / (t1 - t0))
         out["self_cpu_pct"] = [ln.stats["offtop_cpu_pct"] for ln in inside if "offtop_cpu_pct" in ln.stats]
         out["self_rss_mb"] = [ln.stats["offtop_rss_bytes"] / 2**20 for ln in inside
                               if ln.stats.get("offtop_rss_bytes")]
@@ -818,6 +825,8 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
                 "switches_seen_per_s": _d([x for w in ws for x in w["switches_seen_per_s"]]).json(),
                 "lost": sum(w["lost"] for w in ws),
             }
+        if ws and all("cpu_ms_per_snapshot" in w for w in ws):
+            entry["cpu_ms_per_snapshot"] = _d([w["cpu_ms_per_snapshot"] for w in ws]).json()
         if n == "tui" and ws:
             entry["snapshots_per_s"] = _d([w.get("snapshots_per_s") for w in ws]).json()
             entry["header"] = ws[-1].get("header", "")
@@ -825,7 +834,7 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
             entry["threads"] = {k: _d([w["threads"][k] for w in ws]).json()
                                 for k in ("main", "busiest_other", "rest")}
         res["tools"][n] = entry
-    ratios = []
+    ratios, per_snapshot = [], []
     with_options = [(n, n.partition(" ")[0]) for n in tools if n.startswith(WITH_OPTIONS)]
     for a, b in (("batch", "top"), ("batch", "htop"), ("tui", "top"), ("tui", "htop"),
                  ("batch", f"batch{REF_SUFFIX}"), ("tui", f"tui{REF_SUFFIX}"), *with_options):
@@ -836,10 +845,26 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
                 res["ratios"][f"{a}_vs_{b}"] = rs.json()
                 theirs_name = f"offtop {b}" if b.endswith(REF_SUFFIX) or b in ("batch", "tui") else b
                 ratios.append(f"offtop {a} / {theirs_name} = {rs.fmt(digits=2)}{TIMES}")
+            # Per snapshot too: on a loaded machine each interval runs its full length after
+            # the last one's work, so code that does less stretches them less, and its CPU
+            # per second falls by less than its work per snapshot.
+            theirs = {w["round"]: w["cpu_ms_per_snapshot"] for w in ok[b] if "cpu_ms_per_snapshot" in w}
+            rs = _d([ratio(w["cpu_ms_per_snapshot"], theirs[w["round"]]) for w in ok[a]
+                     if w["round"] in theirs and "cpu_ms_per_snapshot" in w])
+            if rs.values:
+                res["ratios"][f"{a}_vs_{b}_per_snapshot"] = rs.json()
+                per_snapshot.append(f"offtop {a} / offtop {b} = {rs.fmt(digits=2)}{TIMES}")
     if ratios:
         out.append("   CPU, same round: " + "; ".join(ratios[:2]))
         for i in range(2, len(ratios), 2):
             out.append("                    " + "; ".join(ratios[i:i + 2]))
+    if per_snapshot:
+        out.append("   CPU a snapshot, same round: " + "; ".join(per_snapshot))
+    shown = [f"{tool_label(n)} {_fmtd(res['tools'][n]['cpu_ms_per_snapshot'], 1, 0)}"
+             for n in tools if "cpu_ms_per_snapshot" in res["tools"].get(n, {})]
+    if shown:
+        out.append("   CPU ms a snapshot (batch: by its lines' intervals; TUI: by the #N shown): "
+                   + "; ".join(shown))
     e = res["tools"].get("batch", {})
     if "json_line_bytes" in e:
         out += [f"   offtop batch: JSON line {_fmtd(e['json_line_bytes'], 1e3, 0)} kB, one every "
