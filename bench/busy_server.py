@@ -838,22 +838,18 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
     with_options = [(n, n.partition(" ")[0]) for n in tools if n.startswith(WITH_OPTIONS)]
     for a, b in (("batch", "top"), ("batch", "htop"), ("tui", "top"), ("tui", "htop"),
                  ("batch", f"batch{REF_SUFFIX}"), ("tui", f"tui{REF_SUFFIX}"), *with_options):
-        if a in ok and b in ok:
-            theirs = {w["round"]: w["cpu_pct"] for w in ok[b]}
-            rs = _d([ratio(w["cpu_pct"], theirs[w["round"]]) for w in ok[a] if w["round"] in theirs])
+        if a not in ok or b not in ok:
+            continue
+        theirs_name = f"offtop {b}" if b.endswith(REF_SUFFIX) or b in ("batch", "tui") else b
+        # Per snapshot too: on a loaded machine each interval runs its full length after
+        # the last one's work, so code that does less stretches them less, and its CPU
+        # per second falls by less than its work per snapshot.
+        for key, suffix, lines in (("cpu_pct", "", ratios),
+                                   ("cpu_ms_per_snapshot", "_per_snapshot", per_snapshot)):
+            rs = _same_round(ok[a], ok[b], key)
             if rs.values:
-                res["ratios"][f"{a}_vs_{b}"] = rs.json()
-                theirs_name = f"offtop {b}" if b.endswith(REF_SUFFIX) or b in ("batch", "tui") else b
-                ratios.append(f"offtop {a} / {theirs_name} = {rs.fmt(digits=2)}{TIMES}")
-            # Per snapshot too: on a loaded machine each interval runs its full length after
-            # the last one's work, so code that does less stretches them less, and its CPU
-            # per second falls by less than its work per snapshot.
-            theirs = {w["round"]: w["cpu_ms_per_snapshot"] for w in ok[b] if "cpu_ms_per_snapshot" in w}
-            rs = _d([ratio(w["cpu_ms_per_snapshot"], theirs[w["round"]]) for w in ok[a]
-                     if w["round"] in theirs and "cpu_ms_per_snapshot" in w])
-            if rs.values:
-                res["ratios"][f"{a}_vs_{b}_per_snapshot"] = rs.json()
-                per_snapshot.append(f"offtop {a} / offtop {b} = {rs.fmt(digits=2)}{TIMES}")
+                res["ratios"][f"{a}_vs_{b}{suffix}"] = rs.json()
+                lines.append(f"offtop {a} / {theirs_name} = {rs.fmt(digits=2)}{TIMES}")
     if ratios:
         out.append("   CPU, same round: " + "; ".join(ratios[:2]))
         for i in range(2, len(ratios), 2):
@@ -891,6 +887,13 @@ def summarize(plan: Plan, windows: dict[str, list[dict[str, Any]]], censuses: li
             out.append(f"     {LABELS[n]:30} CPU {'met' if ok_cpu else 'NOT met'}, "
                        f"RSS {'met' if ok_rss else 'NOT met'}")
     return res, "\n".join(out) + "\n"
+
+
+def _same_round(mine: Sequence[dict[str, Any]], theirs: Sequence[dict[str, Any]], key: str) -> Dist:
+    """`key`'s ratio, mine / theirs, in each round both measured it."""
+    by_round = {w["round"]: w[key] for w in theirs if key in w}
+    return _d([ratio(w[key], by_round[w["round"]]) for w in mine
+               if key in w and w["round"] in by_round])
 
 
 def _fmtd(d: dict[str, Any], scale: float, digits: int) -> str:
