@@ -23,6 +23,11 @@ resolved is said, never guessed:
   whose memory it was forked with (offtop.bpf.lineage): then its addresses
   are resolved in that one's map and files, perf maps aside (a JIT's code
   there may be another since the fork: anonymous memory stays unnamed);
+- a process's map is another program's once it execs, its pid and start time
+  unchanged: a map read before an exec the kernel recorded (`exec_at`) is read
+  again, or, the process gone, taken from the mappings the kernel sent for that
+  exec; one read while the exec's loader still mapped libraries is completed
+  from those; a read again that finds the process gone keeps the map it had;
 - caller frames (every address after the first is a return address) are
   looked up at address - 1, so a function ending in a call to a noreturn
   function is not reported as the function placed after it;
@@ -436,6 +441,10 @@ class _Proc:
     maps: list[Mapping]
     starts: list[int]
     maps_read_at: float
+    #: Boot-clock ns the map holds from: taken before its read from /proc, or the
+    #: exec the kernel sent it for. An exec of the pid after it makes it another
+    #: program's (`exec_at`).
+    since_ns: int = 0
     files: list[Mapping] | None = None  # the file mappings of `maps`, made at first ask
     # Mapping start -> (when found, its file's symbols): the cache's answer
     # without a stat of map_files for every new address (see _file_frame).
@@ -459,6 +468,7 @@ class UserSymbols:
         max_frames: int = 1 << 20,
         max_shared: int = 1 << 17,
         clock: Callable[[], float] = time.monotonic,
+        now_ns: Callable[[], int] = lambda: time.clock_gettime_ns(time.CLOCK_BOOTTIME),
         start_time: Callable[[int], int | None] = task_start_time,
         maps: Callable[[int], list[Mapping]] | None = None,
         elf_cache: ElfCache | None = None,
@@ -472,6 +482,7 @@ class UserSymbols:
         self._shared: dict[Frame, Frame] = {}
         self._max_shared = max_shared
         self._clock = clock
+        self._now_ns = now_ns
         self._start_time = start_time
         self._errors: Counter[str] = Counter()
         self._read_maps = maps or (lambda pid: read_maps(pid, proc, errors=self._errors))
@@ -489,6 +500,16 @@ class UserSymbols:
         self.sent: Callable[[int], tuple[int, list[Mapping]] | None] = lambda pid: None
         #: Processes gone before their first sight named in the mappings the kernel sent.
         self.from_sent = 0
+        #: When the process under a pid last exec'd as the kernel recorded it
+        #: (boot-clock ns; None: not seen): cheap, asked at every lookup. Set by
+        #: the engine (offtop.bpf.sent_maps).
+        self.exec_at: Callable[[int], int | None] = lambda pid: None
+        #: Whether the kernel sent a mapping at an address of the process under a
+        #: pid since its last exec (unchecked, cheap: asked at a miss, before
+        #: `sent`). Set by the engine (offtop.bpf.sent_maps).
+        self.sent_covers: Callable[[int, int], bool] = lambda pid, addr: False
+        #: Maps dropped because their process exec'd after they were read.
+        self.execs_since_read = 0
         # pid -> (when asked, the answer): a gone process's stacks and their
         # unwinding ask again and again, a read of the probe's notes and of
         # /proc each time; an answer holds for REREAD_S.
@@ -510,14 +531,23 @@ class UserSymbols:
         return self._frames
 
     def _new_proc(self, pid: int, start: int) -> _Proc:
+        since = self._now_ns()  # before the read: an exec during it makes it stale
         maps = self._read_maps(pid)
         return _Proc(start=start, maps=maps, starts=[m.start for m in maps],
-                     maps_read_at=self._clock())
+                     maps_read_at=self._clock(), since_ns=since)
 
     def _proc(self, pid: int, start: int | None = None) -> _Proc | None:
         if start is None:
             start = self._start_time(pid)
         p = self._procs.get(pid)
+        if p is not None and self._exec_since(pid, p):
+            # The pid exec'd since its map was read (a shell's child, read as the
+            # shell, then `sleep`): the same process, another program's memory.
+            self.execs_since_read += 1
+            self._forget(pid)
+            if start is None:  # gone: only the kernel's records of the exec are left
+                return self._sent_proc(pid, p.start)
+            p = None
         if p is not None:
             if start is None and p.made_from_sent and not self._sent_holds(pid, p):
                 self._forget(pid)  # another process under the pid since
@@ -543,6 +573,11 @@ class UserSymbols:
         self._procs[pid] = p
         return p
 
+    def _exec_since(self, pid: int, p: _Proc) -> bool:
+        """Whether the process under `pid` exec'd after `p`'s map was had."""
+        exec_ns = self.exec_at(pid)
+        return exec_ns is not None and exec_ns > p.since_ns
+
     def _sent_proc(self, pid: int, start: int) -> _Proc | None:
         """A gone process's cache made from the mappings the kernel sent, if known
         (`start`: its start time, -1 if unknown)."""
@@ -555,8 +590,8 @@ class UserSymbols:
         now = self._clock()
         self.from_sent += 1
         p = self._procs[pid] = _Proc(start=start, maps=maps, starts=[m.start for m in maps],
-                                     maps_read_at=now, dead_since=now, sent_ns=exec_ns,
-                                     made_from_sent=True)
+                                     maps_read_at=now, since_ns=exec_ns, dead_since=now,
+                                     sent_ns=exec_ns, made_from_sent=True)
         return p
 
     def _sent_holds(self, pid: int, p: _Proc) -> bool:
@@ -578,10 +613,28 @@ class UserSymbols:
         got = self.sent(pid)
         if got is None or got[0] != p.sent_ns or len(got[1]) <= len(p.maps):
             return False
+        self._take_sent(p, got)
+        return True
+
+    def _sent_holds_addr(self, pid: int, p: _Proc, addr: int) -> bool:
+        """Whether the kernel sent a mapping at `addr` since the exec of the process
+        whose map was read from /proc (read while the exec's loader was still mapping
+        its libraries, and gone since): if so, those mappings are its cache's now."""
+        if not self.sent_covers(pid, addr):
+            return False  # a junk address, most often: said without a check of the list
+        got = self.sent(pid)
+        if got is None or got[0] > p.since_ns:
+            return False  # not known whole, or another exec's (`_proc` reads again)
+        self._take_sent(p, got)
+        p.made_from_sent = True
+        return True
+
+    @staticmethod
+    def _take_sent(p: _Proc, got: tuple[int, list[Mapping]]) -> None:
         p.maps, p.starts = got[1], [m.start for m in got[1]]
+        p.sent_ns = p.since_ns = got[0]
         p.files = None
         p.tables.clear()
-        return True
 
     def _forget(self, pid: int) -> None:
         p = self._procs.pop(pid)
@@ -716,15 +769,24 @@ class UserSymbols:
             return p.maps[i]
         if p.made_from_sent and self._sent_grew(pid, p):
             return self._mapping(pid, p, addr, deadline)
+        if not p.made_from_sent and self._sent_holds_addr(pid, p, addr):
+            return self._mapping(pid, p, addr, deadline)
         now = self._clock()
         if (p.dead_since is None and now - p.maps_read_at >= REREAD_S
                 and (deadline is None or now < deadline)):
             # Mapped since we looked (dlopen, a JIT): look again, not more than
             # once a REREAD_S, since a junk address would otherwise cost a
             # read of the whole map every time.
-            p.maps = self._read_maps(pid)
-            p.starts = [m.start for m in p.maps]
-            p.maps_read_at = now
+            since = self._now_ns()
+            maps = self._read_maps(pid)
+            if not maps or self._start_time(pid) != p.start:
+                # Gone since (or a zombie, or the pid another process's): the map
+                # read while it lived stands; its stacks are often read after it
+                # ended (a row's, at the interval's end), a junk address first.
+                p.dead_since = now
+                return None
+            p.maps, p.since_ns, p.maps_read_at = maps, since, now
+            p.starts = [m.start for m in maps]
             p.files = None
             p.tables.clear()
             i = bisect.bisect_right(p.starts, addr) - 1

@@ -117,6 +117,9 @@ def test_a_new_exec_starts_a_new_list_and_overlaps_replace() -> None:
     noted.execs[7] = 60 * SEC
     got = sent.mappings(7)
     assert got is not None and [m.path for m in got[1]] == ["/bin/d"]
+    assert sent.exec_at(7) == 60 * SEC and sent.exec_at(8) is None  # the kernel's, unchecked
+    assert sent.covers(7, 0x9000) and sent.covers(7, 0x9FFF) and not sent.covers(7, 0xA000)
+    assert not sent.covers(7, 0x2000) and not sent.covers(8, 0x9000)
     # Mappings older than the exec (of the program before it) are not taken.
     sent.take([mmap2(7, 59 * SEC, 0xA000, 0x1000, b"/bin/old")])
     assert [m.path for m in sent.mappings(7)[1]] == ["/bin/d"]  # type: ignore[index]
@@ -316,3 +319,65 @@ def test_mappings_sent_after_a_gone_process_was_first_asked_about_are_taken() ->
     assert u.resolve_stack(4242, [getpid + 1])[0].name in ("getpid", "__getpid")
     answers[4242] = (6, [exe, libc, libc])  # another exec under the pid: not taken
     assert u.resolve_stack(4242, [0x5000])[0].name == MARK_TRUNCATED
+
+
+def test_a_map_read_before_its_process_exec_d_is_not_kept_for_the_new_program() -> None:
+    """A shell's child is read from /proc as the shell (a block before its exec),
+    then execs `sleep`: same pid, same start time, another program's memory. An exec
+    the kernel recorded after the read makes the cache stale: the frames named in
+    the shell's map are dropped, the map read again, or, the process gone, taken
+    from the mappings the kernel sent for that exec. Before, the shell's map was
+    kept a second: the sleep's addresses were cut, or named in the shell's files."""
+    m, getpid = _libc_of(os.getpid())
+    st = os.stat(m.path)
+    exe = Mapping(0x1000, 0x2000, 0, "/usr/bin/true", "/usr/bin/true", ident=(st.st_dev, 1))
+    libc = Mapping(m.start, m.end, m.offset, m.path, m.path, ident=(st.st_dev, st.st_ino))
+    now = [10]
+    proc_maps = {4242: [m]}  # the shell's, libc where this process has it
+    alive: dict[int, int] = {4242: 77}
+    execs: dict[int, int] = {}
+    sent: dict[int, tuple[int, list[Mapping]]] = {}
+    u = UserSymbols(start_time=alive.get, now_ns=lambda: now[0],
+                    maps=lambda pid: list(proc_maps.get(pid, [])))
+    u.exec_at, u.sent = execs.get, sent.get
+    u.sent_covers = lambda pid, addr: any(m.start <= addr < m.end for m in sent.get(pid, (0, []))[1])
+    assert u.resolve_stack(4242, [getpid + 1])[0].name in ("getpid", "__getpid")
+    # It execs a program that has nothing at that address: not named in the shell's.
+    now[0], execs[4242], proc_maps[4242] = 30, 20, [exe]
+    assert u.resolve_stack(4242, [getpid + 1])[0].name == MARK_TRUNCATED
+    assert u.execs_since_read == 1
+    assert u.resolve_stack(4242, [getpid + 1])[0].name == MARK_TRUNCATED  # read once
+    assert u.execs_since_read == 1
+    # It execs again, libc there, and is gone before a read: the kernel's records name it.
+    now[0], execs[4242], proc_maps[4242] = 50, 40, []
+    del alive[4242]
+    sent[4242] = (40, [exe, libc])
+    frames = u.resolve_stack(4242, [getpid + 1])
+    assert frames[0].name in ("getpid", "__getpid") and u.execs_since_read == 2, frames
+    assert u.file_mappings(4242, getpid) == [exe, libc]
+
+
+def test_a_map_read_while_the_exec_was_mapping_libraries_is_completed_from_what_was_sent() -> None:
+    """Read from /proc after the exec but before its loader mapped libc (or empty: read
+    as it exited), then gone: an address outside it is looked for in the mappings the
+    kernel sent for that exec, before it is cut as untrusted."""
+    m, getpid = _libc_of(os.getpid())
+    st = os.stat(m.path)
+    exe = Mapping(0x1000, 0x2000, 0, "/usr/bin/true", "/usr/bin/true", ident=(st.st_dev, 1))
+    libc = Mapping(m.start, m.end, m.offset, m.path, m.path, ident=(st.st_dev, st.st_ino))
+    for read in ([exe], []):
+        alive = {4242: 77}
+        execs = {4242: 5}
+        sent: dict[int, tuple[int, list[Mapping]]] = {}
+        u = UserSymbols(start_time=alive.get, now_ns=lambda: 10, maps=lambda pid, read=read: list(read))
+        u.exec_at, u.sent = execs.get, sent.get
+        u.sent_covers = lambda pid, addr, sent=sent: any(  # type: ignore[misc]
+            m.start <= addr < m.end for m in sent.get(pid, (0, []))[1])
+        u.see(4242)
+        del alive[4242]
+        assert u.resolve_stack(4242, [getpid + 1])[0].name == MARK_TRUNCATED  # nothing sent yet
+        sent[4242] = (5, [exe, libc])
+        assert u.resolve_stack(4242, [0x10])[0].name == MARK_TRUNCATED  # in neither
+        frames = u.resolve_stack(4242, [getpid + 1])
+        assert frames[0].name in ("getpid", "__getpid") and u.execs_since_read == 0, (read, frames)
+        assert u.file_mappings(4242, getpid) == [exe, libc]

@@ -622,6 +622,35 @@ def test_a_library_mapped_later_is_found_once_maps_are_read_again(tmp_path: Path
     assert u.errors == {UNTRUSTED: 2, "unreadable": 1}
 
 
+def test_a_map_read_again_after_its_process_ended_keeps_the_one_read_while_it_lived() -> None:
+    """A `sleep 0.01` read alive, its stacks read a second later under the start time
+    it had (a row's, at the interval's end), a junk address first: the read again
+    finds it gone (an empty map) or the pid another process's. The map read while it
+    lived stands. Before, the empty one replaced it: every later stack of it was cut
+    at its first frame (an exec'd `sleep`'s nanosleep, 1 in ~900 blocks beside two
+    CPU hogs)."""
+    libc = _libc_of_mine()
+    getpid = _addr(LIBC.getpid)
+    other = Mapping(0x1000, 0x2000, 0, "/usr/bin/true", "/nonexistent/true")
+    for after, start_after in (([], 77), ([other], 78), ([], None)):
+        now = [0.0]
+        maps = {4242: [libc]}
+        starts = {4242: 77}
+        u = UserSymbols(start_time=starts.get, maps=lambda pid, maps=maps: list(maps.get(pid, [])),
+                        clock=lambda now=now: now[0])
+        u.see(4242)
+        maps[4242] = after
+        if start_after is None:
+            del starts[4242]
+        else:
+            starts[4242] = start_after
+        now[0] = 1.5
+        assert u.resolve_stack(4242, [0x10], start=77)[0].name == MARK_TRUNCATED  # junk
+        frames = u.resolve_stack(4242, [getpid + 1], start=77)
+        assert frames[0].name in ("getpid", "__getpid"), (after, start_after, frames)
+        assert u.file_mappings(4242, getpid, 77) == [libc]
+
+
 def test_file_mappings_are_the_symbols_own_read_and_the_same_list_until_read_again(
         tmp_path: Path) -> None:
     """The repair's unwinding asks for a process's file mappings: one read of

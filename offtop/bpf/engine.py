@@ -352,6 +352,8 @@ class BpfSource:
             self._interval.notices.append(f"processes gone at once are not named: {e}")
             return
         self._usyms.sent = self._watch.sent.mappings
+        self._usyms.exec_at = self._watch.sent.exec_at
+        self._usyms.sent_covers = self._watch.sent.covers
 
     def _in_scope(self, pid: int, tid: int) -> bool:
         cfg = self.config

@@ -173,6 +173,20 @@ class SentMaps:
         self._paths.clear()
         self._total = 0
 
+    def exec_at(self, pid: int) -> int | None:
+        """When the process under `pid` last exec'd, as the kernel recorded it
+        (boot-clock ns), if read and still kept; a dict lookup, no check."""
+        s = self._procs.get(pid)
+        return s.exec_ns if s is not None else None
+
+    def covers(self, pid: int, addr: int) -> bool:
+        """Whether a mapping at `addr` was sent since the last exec of `pid`; no check."""
+        s = self._procs.get(pid)
+        if s is None:
+            return False
+        i = bisect.bisect_right(s.starts, addr) - 1
+        return i >= 0 and addr < s.maps[i].end
+
     def mappings(self, pid: int) -> tuple[int, list[Mapping]] | None:
         """(exec time, mappings sorted by start) of the process under `pid`, if the
         kernel's records of it since its exec are all here (module docstring)."""
