@@ -27,7 +27,9 @@ resolved is said, never guessed:
   unchanged: a map read before an exec the kernel recorded (`exec_at`) is read
   again, or, the process gone, taken from the mappings the kernel sent for that
   exec; one read while the exec's loader still mapped libraries is completed
-  from those; a read again that finds the process gone keeps the map it had;
+  from those; a read again that finds the process gone keeps the map it had, and
+  the files read through its map_files while it lived (not what their paths hold
+  since: an upgrade's new library);
 - caller frames (every address after the first is a return address) are
   looked up at address - 1, so a function ending in a call to a noreturn
   function is not reported as the function placed after it;
@@ -836,7 +838,11 @@ class UserSymbols:
         now = self._clock()
         known = p.tables.get(m.start)
         syms: ElfSymbols | str | None
-        if known is not None and now - known[0] < REREAD_S:
+        if known is not None and (now - known[0] < REREAD_S or p.dead_since is not None):
+            # Gone, a process maps nothing more: the file read through its
+            # map_files while it lived is the one it mapped, whatever its path
+            # holds since (a package upgrade replaces a library as its services
+            # restart: their last stacks, read then, were named in the new one).
             syms = known[1]
         else:
             syms = self.elf.get(m.handle, deadline=deadline, expect=m.ident)
@@ -848,11 +854,13 @@ class UserSymbols:
             # ended, under the start time it had): a process seen alive for a
             # few milliseconds (an exec'd `sleep 0.01`) was `libc.so.6+0x…`.
             p.dead_since = now
-        if (syms is None or isinstance(syms, str)) and p.dead_since is not None \
-                and m.handle != m.path and not m.path.endswith(" (deleted)"):
-            # map_files are gone with the process (a mapping the kernel sent may
-            # be opened by its very path already: not asked twice)
-            syms = self.elf.get(m.path, deadline=deadline, expect=m.ident)
+        if (syms is None or isinstance(syms, str)) and p.dead_since is not None:
+            if known is not None:
+                syms = known[1]  # as above: found gone just now
+            elif m.handle != m.path and not m.path.endswith(" (deleted)"):
+                # map_files are gone with the process (a mapping the kernel sent
+                # may be opened by its very path already: not asked twice)
+                syms = self.elf.get(m.path, deadline=deadline, expect=m.ident)
         if syms is None or isinstance(syms, str):
             cause = syms or UNREADABLE
         else:

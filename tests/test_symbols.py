@@ -233,6 +233,43 @@ def test_a_process_seen_alive_that_ended_unreaped_is_named_from_its_files_paths(
     assert frames[0].name in ("getpid", "__getpid") and frames[0].module == "libc.so.6", frames
 
 
+def test_a_process_gone_is_named_in_the_file_it_mapped_not_in_what_its_path_holds_since(
+        tmp_path: Path) -> None:
+    """A `sleep` whose libc (a copy, by LD_LIBRARY_PATH) is replaced at its path while
+    it runs, as a package upgrade does, then ends; its stacks are read after (a
+    service restarted by the upgrade: its last rows). Its frames are named in the libc
+    it mapped, read through its map_files while it lived, not in the file now at the
+    path (here `true`: its few symbols named libc's addresses wrongly, or not at all)."""
+    ours = _libc_of_mine()
+    lib = tmp_path / "libc.so.6"
+    shutil.copy(ours.path, lib)
+    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
+    child = subprocess.Popen(["/usr/bin/sleep", "5"], env=env)
+    try:
+        def copy_mapped() -> list[Mapping]:
+            return [m for m in read_maps(child.pid) if m.path == str(lib) and m.offset == ours.offset]
+
+        assert wait_until(lambda: bool(copy_mapped())), read_maps(child.pid)
+        libc = copy_mapped()[0]
+        start = task_start_time(child.pid)
+        now = [0.0]
+        u = UserSymbols(clock=lambda: now[0])
+        u.see(child.pid)
+        frames = u.resolve_stack(child.pid, [_getpid_in(libc)], start=start)
+        assert frames[0].name in ("getpid", "__getpid"), frames
+        shutil.copy("/usr/bin/true", tmp_path / "new")
+        os.replace(tmp_path / "new", lib)  # an upgrade: a new file, renamed over the old
+    finally:
+        child.kill()
+        child.wait()
+    now[0] = 5.0  # what was found for the mapping is not taken as is any more
+    read = _addr(LIBC.read) - ours.start + libc.start + 1
+    frames = u.resolve_stack(child.pid, [read], start=start)
+    assert frames[0].name in ("read", "__read", "__libc_read") and frames[0].module == "libc.so.6", frames
+    write = _addr(LIBC.write) - ours.start + libc.start + 1  # known gone by now
+    assert u.resolve_stack(child.pid, [write], start=start)[0].name in ("write", "__write", "__libc_write")
+
+
 def test_a_process_gone_before_first_sight_resolves_in_its_stand_in() -> None:
     # A process forked from this one (offtop.bpf.lineage), gone before its
     # first sight: its addresses are this one's, named in this one's map.
