@@ -849,10 +849,15 @@ class UserSymbols:
             if isinstance(syms, ElfSymbols):
                 p.tables[m.start] = (now, syms)
         if (syms is None or isinstance(syms, str)) and p.dead_since is None \
-                and (self._start_time(pid) != p.start or task_ending(pid, self._proc_root)):
+                and (task_ending(pid, self._proc_root) or self._start_time(pid) != p.start):
             # Gone since it was last asked about (its rows are read after it
             # ended, under the start time it had): a process seen alive for a
             # few milliseconds (an exec'd `sleep 0.01`) was `libc.so.6+0x…`.
+            # Ending first: its map_files went with its memory, so it was ending
+            # then, and is still, or reaped since (its start time gone). Asked
+            # the other way round, a process reaped between the two reads (the
+            # shell waits at once) was taken as alive: 1 in ~2,000 blocks of a
+            # loop of `sleep 0.01` beside two CPU hogs named `libc.so.6+0x…`.
             p.dead_since = now
         if (syms is None or isinstance(syms, str)) and p.dead_since is not None:
             if known is not None:

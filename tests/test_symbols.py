@@ -270,6 +270,37 @@ def test_a_process_gone_is_named_in_the_file_it_mapped_not_in_what_its_path_hold
     assert u.resolve_stack(child.pid, [write], start=start)[0].name in ("write", "__write", "__libc_write")
 
 
+def test_a_process_reaped_between_two_reads_of_its_state_is_taken_as_gone(tmp_path: Path) -> None:
+    """Its map_files failed (its memory gone: it is ending), then, asked whether it ended,
+    it is reaped between the reads (a shell waits for its `sleep` at once). The reads
+    in that order cannot take it for alive: it was `libc.so.6+0x…`, cut there, 1 in
+    ~80 runs of the exec'd-sleep end-to-end test beside two CPU hogs; found gone, it
+    is named from its files' paths."""
+    ours = _libc_of_mine()
+    getpid = _addr(LIBC.getpid)
+    stat = tmp_path / "4242" / "task" / "4242" / "stat"
+    stat.parent.mkdir(parents=True)
+    # Exiting: a zombie, not reaped yet (fields from the state on; start time 77).
+    stat.write_text("4242 (sleep) Z " + " ".join(["0"] * 18) + " 77 0\n")
+    gone_files = Mapping(ours.start, ours.end, ours.offset, ours.path, str(tmp_path / "map_files-gone"))
+    reaped = []
+
+    def start_time(pid: int) -> int | None:
+        if stat.exists():
+            stat.unlink()  # reaped just after this read
+            reaped.append(pid)
+            return 77
+        return None
+
+    u = UserSymbols(start_time=start_time, maps=lambda pid: [gone_files], proc=str(tmp_path))
+    u.see(4242)
+    assert reaped == [4242]  # the first read, alive
+    stat.parent.mkdir(parents=True, exist_ok=True)
+    stat.write_text("4242 (sleep) Z " + " ".join(["0"] * 18) + " 77 0\n")
+    frames = u.resolve_stack(4242, [getpid + 1], start=77)
+    assert frames[0].name in ("getpid", "__getpid") and frames[0].module == "libc.so.6", frames
+
+
 def test_a_process_gone_before_first_sight_resolves_in_its_stand_in() -> None:
     # A process forked from this one (offtop.bpf.lineage), gone before its
     # first sight: its addresses are this one's, named in this one's map.
