@@ -856,8 +856,9 @@ class UserSymbols:
             # Ending first: its map_files went with its memory, so it was ending
             # then, and is still, or reaped since (its start time gone). Asked
             # the other way round, a process reaped between the two reads (the
-            # shell waits at once) was taken as alive: 1 in ~2,000 blocks of a
-            # loop of `sleep 0.01` beside two CPU hogs named `libc.so.6+0x…`.
+            # shell waits at once) was taken as alive: a block of a loop of `sleep
+            # 0.01` named `libc.so.6+0x…` in 4 of ~340 runs of its end-to-end test
+            # beside two CPU hogs.
             p.dead_since = now
         if (syms is None or isinstance(syms, str)) and p.dead_since is not None:
             if known is not None:
