@@ -608,20 +608,11 @@ class UserSymbols:
         p.maps_read_at = now
         return True
 
-    def _sent_grew(self, pid: int, p: _Proc) -> bool:
-        """Whether the kernel sent more mappings of this process since its cache was
-        made from them (it was first asked about while still mapping its libraries);
-        if so they are its cache's now."""
-        got = self.sent(pid)
-        if got is None or got[0] != p.sent_ns or len(got[1]) <= len(p.maps):
-            return False
-        self._take_sent(p, got)
-        return True
-
     def _sent_holds_addr(self, pid: int, p: _Proc, addr: int) -> bool:
-        """Whether the kernel sent a mapping at `addr` since the exec of the process
-        whose map was read from /proc (read while the exec's loader was still mapping
-        its libraries, and gone since): if so, those mappings are its cache's now."""
+        """Whether the kernel sent a mapping at `addr` for the exec `p`'s map is of:
+        if so, the sent mappings are its cache's now. `p` was had while that exec's
+        loader was still mapping libraries: read from /proc then, or made from what
+        the kernel had sent by then (the process gone since either way)."""
         if not self.sent_covers(pid, addr):
             return False  # a junk address, most often: said without a check of the list
         got = self.sent(pid)
@@ -765,14 +756,21 @@ class UserSymbols:
         self.misses += 1
         self._errors[cause] += 1
 
-    def _mapping(self, pid: int, p: _Proc, addr: int, deadline: float | None) -> Mapping | None:
+    @staticmethod
+    def _in_maps(p: _Proc, addr: int) -> Mapping | None:
         i = bisect.bisect_right(p.starts, addr) - 1
         if i >= 0 and addr < p.maps[i].end:
             return p.maps[i]
-        if p.made_from_sent and self._sent_grew(pid, p):
-            return self._mapping(pid, p, addr, deadline)
-        if not p.made_from_sent and self._sent_holds_addr(pid, p, addr):
-            return self._mapping(pid, p, addr, deadline)
+        return None
+
+    def _mapping(self, pid: int, p: _Proc, addr: int, deadline: float | None) -> Mapping | None:
+        m = self._in_maps(p, addr)
+        if m is not None:
+            return m
+        if self._sent_holds_addr(pid, p, addr):
+            m = self._in_maps(p, addr)
+            if m is not None:
+                return m
         now = self._clock()
         if (p.dead_since is None and now - p.maps_read_at >= REREAD_S
                 and (deadline is None or now < deadline)):
@@ -791,9 +789,7 @@ class UserSymbols:
             p.starts = [m.start for m in maps]
             p.files = None
             p.tables.clear()
-            i = bisect.bisect_right(p.starts, addr) - 1
-            if i >= 0 and addr < p.maps[i].end:
-                return p.maps[i]
+            return self._in_maps(p, addr)
         return None
 
     def _resolve(self, pid: int, p: _Proc, addr: int, look: int,

@@ -313,12 +313,32 @@ def test_mappings_sent_after_a_gone_process_was_first_asked_about_are_taken() ->
     exe = Mapping(0x1000, 0x2000, 0, "/usr/bin/true", "/usr/bin/true", ident=(st.st_dev, 1))
     answers: dict[int, tuple[int, list[Mapping]] | None] = {4242: (5, [exe])}
     u = UserSymbols(start_time=lambda pid: None)
-    u.sent = answers.get
+    _wire_sent(u, answers)
     assert u.resolve_stack(4242, [getpid + 1])[0].name == MARK_TRUNCATED
     answers[4242] = (5, [exe, libc])
     assert u.resolve_stack(4242, [getpid + 1])[0].name in ("getpid", "__getpid")
-    answers[4242] = (6, [exe, libc, libc])  # another exec under the pid: not taken
+    # Another exec under the pid, with a mapping at the address: not taken.
+    anon = Mapping(0x5000, 0x6000, 0, "[anon]", "", ident=None)
+    answers[4242] = (6, [exe, anon, libc])
+    assert u.sent_covers(4242, 0x5000)
     assert u.resolve_stack(4242, [0x5000])[0].name == MARK_TRUNCATED
+    answers[4242] = (5, [exe, anon, libc])  # the same exec's: taken
+    assert u.resolve_stack(4242, [0x5008])[0].name != MARK_TRUNCATED
+    # A junk address (the exec's own stacks have thousands): cut without a read
+    # of the list (a probe-map lookup and a readlink in the engine).
+    asked = []
+    u.sent = lambda pid: asked.append(pid) or answers.get(pid)  # type: ignore[func-returns-value]
+    assert u.resolve_stack(4242, [0x9000])[0].name == MARK_TRUNCATED and asked == []
+
+
+def _wire_sent(u: UserSymbols, answers: dict[int, tuple[int, list[Mapping]] | None]) -> None:
+    """`sent` and `sent_covers` as the engine wires them, answering from `answers`."""
+    u.sent = answers.get
+
+    def covers(pid: int, addr: int) -> bool:
+        got = answers.get(pid)
+        return got is not None and any(m.start <= addr < m.end for m in got[1])
+    u.sent_covers = covers
 
 
 def test_a_map_read_before_its_process_exec_d_is_not_kept_for_the_new_program() -> None:
