@@ -150,9 +150,14 @@ def _prepare(streams: StdStreams, argv: list[str], cleanup: contextlib.ExitStack
     cgroup_name = None if args.replay else CgroupNames()
     pusher = pusher_from_args(args, cgroup_name=cgroup_name)
     if not args.replay:
+        # A first start compiles the BPF program (~0.6 s of a CPU): begun now, it
+        # runs beside the engine's imports and the TUI's set-up, not after them.
+        from offtop.bpf.probe import compile_ahead_of
+
+        ahead = compile_ahead_of(cfg)
         from offtop.bpf.engine import BpfSource  # bcc: only for a live capture
 
-        source = BpfSource(cfg)
+        source = BpfSource(cfg, ahead=ahead)
         cleanup.callback(source.close)
     out_fd = None
     if args.output is not None:

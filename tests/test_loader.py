@@ -563,6 +563,62 @@ def test_miss_compiles_then_hit_loads_without_compiling(bpf_available: None,
 
 
 @pytest.mark.bpf
+def test_a_compile_begun_ahead_is_the_one_loaded(bpf_available: None, tmp_path: Path) -> None:
+    """A first start's compile is begun as soon as the options are known (the CLI,
+    before the engine's imports and the TUI's): `load` takes it, compiling nothing
+    itself; a program cached already begins none; one of other options is not taken."""
+    from offtop.bpf import environment
+    from offtop.bpf.loader.load import AheadCompile, compile_ahead
+    from offtop.bpf.probe import Probe, offcpu_source
+
+    cache = ArtifactCache(tmp_path / "offtop")
+    tracefs = environment.tracefs_dir()
+    assert tracefs is not None
+    cfg = EngineConfig()
+    comp = CountingCompiler()
+    ahead = compile_ahead(offcpu_source(), cfg.cflags(), cache=cache, tracefs=tracefs,
+                          compile=comp)
+    assert ahead is not None and wait_until(lambda: comp.calls == 1)  # under way, in its thread
+    p = Probe(cfg, cache=cache, compile=comp, ahead=ahead)
+    p.load(123_000_000)
+    p.close()
+    assert comp.calls == 1 and p.report.how == "compiled ahead", p.report
+    assert compile_ahead(offcpu_source(), cfg.cflags(), cache=cache, tracefs=tracefs,
+                         compile=comp) is None  # cached by that load
+
+    def wrong() -> Artifact:
+        raise AssertionError("another program's compile was taken")
+
+    other = EngineConfig(kernel_stacks=False)
+    p = Probe(other, cache=cache, compile=comp, ahead=AheadCompile("another key", wrong))
+    p.load(123_000_000)
+    p.close()
+    assert comp.calls == 2 and p.report.how == "compiled", p.report
+
+
+@pytest.mark.bpf
+def test_a_compile_begun_ahead_that_failed_fails_the_load_as_one_line(bpf_available: None,
+                                                                      tmp_path: Path) -> None:
+    from offtop.bpf import environment
+    from offtop.bpf.loader.load import compile_ahead
+    from offtop.bpf.probe import Probe, offcpu_source
+
+    def broken(source: str, cflags: list[str], key: str, placeholders: Mapping[str, int]) -> Artifact:
+        raise EngineError("could not load the BPF program: the compiler broke")
+
+    cache = ArtifactCache(tmp_path / "offtop")
+    cfg = EngineConfig()
+    tracefs = environment.tracefs_dir()
+    assert tracefs is not None
+    ahead = compile_ahead(offcpu_source(), cfg.cflags(), cache=cache, tracefs=tracefs,
+                          compile=broken)
+    p = Probe(cfg, cache=cache, compile=CountingCompiler(), ahead=ahead)
+    with pytest.raises(EngineError, match="the compiler broke"):
+        p.load(123_000_000)
+    p.close()
+
+
+@pytest.mark.bpf
 @pytest.mark.parametrize("tamper", ["content", "owner", "mode"])
 def test_tampered_cache_file_is_refused_and_recompiled(bpf_available: None, warm: ArtifactCache,
                                                        tamper: str) -> None:

@@ -42,6 +42,7 @@ from offtop.bpf.decode import (
 )
 from offtop.bpf.flood import FloodControl
 from offtop.bpf.lineage import Lineage
+from offtop.bpf.loader.load import AheadCompile
 from offtop.bpf.perf_ring import PerfRing, make_room_for_files, online_cpus, ring_pages
 from offtop.bpf.probe import LINEAGE, RULES_OWNER, Drained, Probe, RawRow, RawSums, agg_key
 from offtop.bpf.probe_stats import ProbeStats
@@ -174,6 +175,7 @@ class BpfSource:
         kernel_symbols: KernelSymbols | None = None,
         user_symbols: UserSymbols | None = None,
         process_info: ProcessInfoCache | None = None,
+        ahead: AheadCompile | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -183,7 +185,8 @@ class BpfSource:
         self._usyms = user_symbols
         self._procinfo = process_info or ProcessInfoCache()
         self._unwinder: Unwinder | None = None
-        self.probe = Probe(config, clock=clock)
+        # `ahead`: the program's compile, begun before (offtop.bpf.probe.compile_ahead_of).
+        self.probe = Probe(config, ahead=ahead, clock=clock)
         self.flood = FloodControl(config.event_budget_per_s)
         self.targets = TargetWatch(config.pids, config.tids, config.cgroup)
         self._cgroup_rel = cgroup_relative(config.cgroup) if config.cgroup else "/"

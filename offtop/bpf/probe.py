@@ -44,7 +44,7 @@ from offtop.bpf.decode import (
 from offtop.bpf.lineage import Forked, decode_forked
 from offtop.bpf.loader.cache import DEFAULT_DIR, ArtifactCache
 from offtop.bpf.loader.kernel import LoadedObject, LoadFailed
-from offtop.bpf.loader.load import Compile, LoadReport, load_object
+from offtop.bpf.loader.load import AheadCompile, Compile, LoadReport, compile_ahead, load_object
 from offtop.bpf.maps import BPF_NOEXIST, BpfMap, ElementReader, MapError
 from offtop.bpf.task_regs import ITERATOR, TaskRegisters, UserRegs
 
@@ -135,11 +135,27 @@ def default_cache() -> ArtifactCache:
     return ArtifactCache(Path(os.environ.get("OFFTOP_CACHE_DIR") or DEFAULT_DIR))
 
 
+def compile_ahead_of(config: EngineConfig) -> AheadCompile | None:
+    """The compile a `Probe` of `config` will need at `load`, begun now if the default
+    cache has no file for it (a first start, or new options): beside the rest of
+    offtop's start (the engine's imports, the TUI's), not after it. Only on a
+    machine that passes `load`'s checks (which also choose the kernel headers the
+    compile reads); else None, and `load` says what is wrong."""
+    try:
+        environment.prepare()
+    except environment.EnvironmentProblem:
+        return None
+    tracefs = environment.tracefs_dir()
+    if tracefs is None:
+        return None
+    return compile_ahead(offcpu_source(), config.cflags(), cache=default_cache(), tracefs=tracefs)
+
+
 class Probe:
     """The BPF side of offtop (see offcpu.c), behind a small API."""
 
     def __init__(self, config: EngineConfig, *, cache: ArtifactCache | None = None,
-                 compile: Compile | None = None,
+                 compile: Compile | None = None, ahead: AheadCompile | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._clock = clock
@@ -147,6 +163,7 @@ class Probe:
         self.stopped_at = math.inf
         self.cache = cache if cache is not None else default_cache()
         self._compile = compile
+        self._ahead = ahead  # a compile begun before (`compile_ahead_of`), taken at load
         self._obj: LoadedObject | None = None
         self.slots_mm: mmap.mmap | None = None
         self._acc_mm: mmap.mmap | None = None
@@ -170,7 +187,9 @@ class Probe:
         if tracefs is None:
             raise EngineError("tracefs is not mounted: cannot attach to sched:sched_switch")
         self._obj, self.report = load_object(src, self.config.cflags(), cache=self.cache,
-                                             tracefs=tracefs, compile=self._compile)
+                                             tracefs=tracefs, compile=self._compile,
+                                             ahead=self._ahead)
+        self._ahead = None
         obj = self._obj
         try:
             obj.attach_autoload()

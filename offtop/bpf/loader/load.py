@@ -6,12 +6,17 @@
     otherwise                                     -> compile, load, store
     a fresh artifact refused                      -> EngineError (one line, the log in a file)
 
+A miss can be known before the program is needed (`compile_ahead`): the compile
+(~0.6 s of one CPU) then runs beside the rest of offtop's start (its imports, the
+TUI's screen) instead of after it.
+
 Per-run constants (offtop's own pid) are compiled as placeholders, so that
 one artifact serves every run, and written in at load (`artifact.patched`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,7 +41,7 @@ Compile = Callable[[str, list[str], str, Mapping[str, int]], Artifact]
 class LoadReport:
     """How the program came to be loaded (for notices and benchmarks)."""
 
-    how: str = ""            # "cache hit", "compiled", "compiled (not cacheable)"
+    how: str = ""  # "cache hit", "compiled", "compiled ahead", "compiled (not cacheable)"
     cache_note: str = ""     # why the cache was not used or not written ('' if it was)
     compile_s: float = 0.0   # time in the compiler process
     load_s: float = 0.0      # maps created and programs verified
@@ -55,6 +60,51 @@ def split_constants(cflags: list[str]) -> tuple[list[str], dict[str, int]]:
     return out, values
 
 
+class AheadCompile:
+    """A compile begun before the program is loaded (`compile_ahead`), in a thread
+    that waits for the compiler process; `load_object` takes its result."""
+
+    def __init__(self, key: str, run: Callable[[], Artifact]) -> None:
+        self.key = key
+        self._done = threading.Event()
+        self._artifact: Artifact | None = None
+        self._error: BaseException | None = None
+        # A daemon: offtop quitting does not wait for it (the compiler process
+        # dies with this thread, `bcc_child.py`).
+        threading.Thread(target=self._run, args=(run,), name="offtop-compile",
+                         daemon=True).start()
+
+    def _run(self, run: Callable[[], Artifact]) -> None:
+        try:
+            self._artifact = run()
+        except BaseException as e:  # raised where the result is taken
+            self._error = e
+        finally:
+            self._done.set()
+
+    def result(self) -> Artifact:
+        """The artifact, once compiled (what the compile raised, if it did)."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._artifact is not None
+        return self._artifact
+
+
+def compile_ahead(source: str, cflags: list[str], *, cache: ArtifactCache | None,
+                  tracefs: Path, compile: Compile | None = None) -> AheadCompile | None:
+    """The compile `load_object(source, cflags, ...)` will need, begun now, if the cache
+    has no file for it (a file there is read and checked by `load_object`: a bad
+    one is compiled afresh then, as without this)."""
+    build_flags, values = split_constants(cflags)
+    key = cache_key(source, build_flags, tracefs)
+    if cache is not None and cache.path_of(key).is_file():
+        return None
+    compile = compile or compiler.compile_artifact
+    placeholders = {n: PLACEHOLDERS[n] for n in values}
+    return AheadCompile(key, lambda: compile(source, build_flags, key, placeholders))
+
+
 def _fail(e: LoadFailed) -> EngineError:
     if e.log:
         return EngineError(environment.load_failure(e.message, e.log))
@@ -62,11 +112,13 @@ def _fail(e: LoadFailed) -> EngineError:
 
 
 def load_object(source: str, cflags: list[str], *, cache: ArtifactCache | None,
-                tracefs: Path, compile: Compile | None = None) -> tuple[LoadedObject, LoadReport]:
+                tracefs: Path, compile: Compile | None = None,
+                ahead: AheadCompile | None = None) -> tuple[LoadedObject, LoadReport]:
     """The program compiled from `source` with `cflags`, its maps created, loaded, not attached.
 
     `compile` is `compiler.compile_artifact` unless given (looked up at each
-    call, so a test may replace it).
+    call, so a test may replace it). `ahead`: a compile begun before
+    (`compile_ahead`), taken if it is of this key.
     """
     compile = compile or compiler.compile_artifact
     report = LoadReport()
@@ -93,8 +145,12 @@ def load_object(source: str, cflags: list[str], *, cache: ArtifactCache | None,
 
     t0 = time.monotonic()
     try:
-        art = compile(source, build_flags, key, placeholders)
-        report.how = "compiled"
+        if ahead is not None and ahead.key == key:
+            art = ahead.result()
+            report.how = "compiled ahead"
+        else:
+            art = compile(source, build_flags, key, placeholders)
+            report.how = "compiled"
     except ConstantNotFound:
         # The compiler folded a placeholder away: compile this run's values in, uncached.
         values = {}
