@@ -596,6 +596,29 @@ def test_a_compile_begun_ahead_is_the_one_loaded(bpf_available: None, tmp_path: 
     assert comp.calls == 2 and p.report.how == "compiled", p.report
 
 
+def test_a_compile_ahead_never_fails_a_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only time is at stake: a cache directory that cannot be looked into begins the
+    compile anyway; a machine that fails the checks begins none (the load says why)."""
+    from offtop.bpf import environment
+    from offtop.bpf.loader.load import compile_ahead
+    from offtop.bpf.probe import compile_ahead_of
+
+    class Unreadable(ArtifactCache):
+        def path_of(self, key: str) -> Path:
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+    made = object()
+    ahead = compile_ahead("int x;", [], cache=Unreadable(tmp_path), tracefs=tmp_path,
+                          compile=lambda *a: made)  # type: ignore[arg-type,return-value]
+    assert ahead is not None and ahead.result() is made
+
+    def broken() -> None:
+        raise EngineError("the checks broke")
+
+    monkeypatch.setattr(environment, "prepare", broken)
+    assert compile_ahead_of(EngineConfig()) is None
+
+
 @pytest.mark.bpf
 def test_a_compile_begun_ahead_that_failed_fails_the_load_as_one_line(bpf_available: None,
                                                                       tmp_path: Path) -> None:

@@ -143,12 +143,13 @@ def compile_ahead_of(config: EngineConfig) -> AheadCompile | None:
     compile reads); else None, and `load` says what is wrong."""
     try:
         environment.prepare()
-    except environment.EnvironmentProblem:
+        tracefs = environment.tracefs_dir()
+        if tracefs is None:
+            return None
+        return compile_ahead(offcpu_source(), config.cflags(), cache=default_cache(),
+                             tracefs=tracefs)
+    except Exception:  # only time is at stake: `load` meets the same problem and says it
         return None
-    tracefs = environment.tracefs_dir()
-    if tracefs is None:
-        return None
-    return compile_ahead(offcpu_source(), config.cflags(), cache=default_cache(), tracefs=tracefs)
 
 
 class Probe:

@@ -98,8 +98,12 @@ def compile_ahead(source: str, cflags: list[str], *, cache: ArtifactCache | None
     one is compiled afresh then, as without this)."""
     build_flags, values = split_constants(cflags)
     key = cache_key(source, build_flags, tracefs)
-    if cache is not None and cache.path_of(key).is_file():
-        return None
+    if cache is not None:
+        try:
+            if cache.path_of(key).is_file():
+                return None
+        except OSError:  # a directory root may not read (FUSE): `load_object` says so
+            pass
     compile = compile or compiler.compile_artifact
     placeholders = {n: PLACEHOLDERS[n] for n in values}
     return AheadCompile(key, lambda: compile(source, build_flags, key, placeholders))
