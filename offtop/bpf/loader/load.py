@@ -60,6 +60,17 @@ def split_constants(cflags: list[str]) -> tuple[list[str], dict[str, int]]:
     return out, values
 
 
+def _request(source: str, cflags: list[str], tracefs: Path
+             ) -> tuple[list[str], dict[str, int], dict[str, int], str]:
+    """What a compile of `source` with `cflags` is asked for, and cached under: the
+    flags with per-run values as placeholders, those values, the placeholders, the
+    key. One derivation for `compile_ahead` and `load_object`, so that a compile
+    begun ahead is always of the key the load looks for."""
+    build_flags, values = split_constants(cflags)
+    placeholders = {n: PLACEHOLDERS[n] for n in values}
+    return build_flags, values, placeholders, cache_key(source, build_flags, tracefs)
+
+
 class AheadCompile:
     """A compile begun before the program is loaded (`compile_ahead`), in a thread
     that waits for the compiler process; `load_object` takes its result."""
@@ -96,8 +107,7 @@ def compile_ahead(source: str, cflags: list[str], *, cache: ArtifactCache | None
     """The compile `load_object(source, cflags, ...)` will need, begun now, if the cache
     has no file for it (a file there is read and checked by `load_object`: a bad
     one is compiled afresh then, as without this)."""
-    build_flags, values = split_constants(cflags)
-    key = cache_key(source, build_flags, tracefs)
+    build_flags, _values, placeholders, key = _request(source, cflags, tracefs)
     if cache is not None:
         try:
             if cache.path_of(key).is_file():
@@ -105,7 +115,6 @@ def compile_ahead(source: str, cflags: list[str], *, cache: ArtifactCache | None
         except OSError:  # a directory root may not read (FUSE): `load_object` says so
             pass
     compile = compile or compiler.compile_artifact
-    placeholders = {n: PLACEHOLDERS[n] for n in values}
     return AheadCompile(key, lambda: compile(source, build_flags, key, placeholders))
 
 
@@ -126,9 +135,7 @@ def load_object(source: str, cflags: list[str], *, cache: ArtifactCache | None,
     """
     compile = compile or compiler.compile_artifact
     report = LoadReport()
-    build_flags, values = split_constants(cflags)
-    placeholders = {n: PLACEHOLDERS[n] for n in values}
-    key = cache_key(source, build_flags, tracefs)
+    build_flags, values, placeholders, key = _request(source, cflags, tracefs)
     if cache is not None:
         found = cache.get(key)
         report.cache_note = "" if found.artifact else found.why
