@@ -903,14 +903,17 @@ class UserSymbols:
     def evict(self, *, force: bool = False,
               start_time: Callable[[int], int | None] | None = None) -> int:
         """Forget processes dead for longer than the grace period; return how many.
+        `force` (the cache is full): every dead process, however recently it was found
+        gone (its last rows read after it ended, or named in the mappings the kernel
+        sent), or the cache grows past its bound under a churn of exec'd processes.
         `start_time`: the sweep's reader of start times, if not this object's."""
         now = self._clock()
         start_time = start_time or self._start_time
         gone = []
         for pid, p in self._procs.items():
             if p.dead_since is None and start_time(pid) != p.start:
-                p.dead_since = now - (self._grace if force else 0)
-            if p.dead_since is not None and now - p.dead_since >= self._grace:
+                p.dead_since = now
+            if p.dead_since is not None and (force or now - p.dead_since >= self._grace):
                 gone.append(pid)
         for pid in gone:
             self._forget(pid)

@@ -526,6 +526,27 @@ def test_user_symbols_stay_bounded() -> None:
         assert syms.cached_processes <= 8 + 1
 
 
+def test_user_symbols_stay_bounded_when_their_processes_were_found_gone() -> None:
+    """Processes asked about again once gone (their last rows, read after they ended)
+    are marked dead and kept for the grace period; and processes gone before their
+    first sight are named in the mappings the kernel sent, kept the same way. A full
+    cache forgets them first, or it grew past its bound: 170 of 64 with a shell loop
+    of exec'd `/bin/true` beside the churn test."""
+    starts: dict[int, int] = {}
+    cache = _FakeElfCache()
+    syms = UserSymbols(start_time=starts.get, max_processes=8, grace_s=30.0,
+                       maps=_fake_maps(starts), elf_cache=cache)  # type: ignore[arg-type]
+    syms.sent = lambda pid: (5, []) if pid >= 1000 else None
+    for pid in range(100, 300):
+        starts[pid] = pid
+        _fake_process(cache, starts, pid, {0x10: f"f{pid}"})
+        assert syms.resolve_stack(pid, [0x10])[0].name == f"f{pid}"
+        del starts[pid]  # exits right after, and is asked about once more
+        assert syms.resolve_stack(pid, [0x10])[0].name == f"f{pid}"
+        syms.resolve_stack(pid + 1000, [0x10])  # gone before its first sight
+        assert syms.cached_processes <= 8 + 1
+
+
 def _fork_with_pid(pid: int, argv: list[str], tries: int = 50) -> subprocess.Popen[str]:
     """Start argv so that it gets `pid` (steering the kernel's next pid)."""
     for _ in range(tries):
