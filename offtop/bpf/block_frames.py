@@ -19,19 +19,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offtop.bpf.before_start import BeforeStart
 from offtop.bpf.blocked import BlockedNowReader
 from offtop.bpf.budget import Budget
 from offtop.bpf.decode import ST_BEFORE_START, state_name
-from offtop.bpf.python_frames import BlockedThread, PythonFrames, merged_frames
-from offtop.bpf.stack_store import StackStore
-from offtop.bpf.unwound import UnwoundStacks
 from offtop.model import MARK_BEHIND, MARK_NOT_RESOLVED, BlockedNow, Frame
 from offtop.safe_files import read_proc_small
 from offtop.safe_text import decode
 from offtop.targets import task_start_time
+
+if TYPE_CHECKING:
+    # Made once the probe is armed (`BpfSource._start_armed`), their modules too.
+    from offtop.bpf.python_frames import PythonFrames
+    from offtop.bpf.stack_store import StackStore
+    from offtop.bpf.unwound import UnwoundStacks
 
 NOT_RESOLVED = Frame(MARK_NOT_RESOLVED)
 BEHIND = Frame(MARK_BEHIND)
@@ -134,15 +137,16 @@ class BlockFrames:
             if before is None:
                 return (), (), True
             user = self.unwound_frames(tid, before.ts, deadline, pop=True) or ()
-            t = py.of_block(tid, before.ts, pop=True) if py is not None else None
-            return before.kernel, merged_frames(user, t) if t is not None else user, True
+            if py is not None and (t := py.of_block(tid, before.ts, pop=True)) is not None:
+                user = py.merged(user, t)
+            return before.kernel, user, True
         unwound = self.unwound_frames(tid, ts, deadline, pop=True) if ts is not None else None
         user = unwound if unwound is not None else self.user(tgid, us, deadline)
         if py is not None:
             t = py.of_block(tid, ts, pop=True) if ts is not None else None
             t = t or py.of_site(tid, us)
             if t is not None:
-                user = merged_frames(user, t)
+                user = py.merged(user, t)
         return self.kernel(ks), user, False
 
     def unwind_before_start(self, budget_s: float) -> None:
@@ -216,8 +220,7 @@ class BlockFrames:
         if self.unwound is not None:
             self.unwound.new_pass()
         if self.python is not None and not hurried:
-            self.python.read(BlockedThread(b.pid, b.tid, b.ts, b.ustack) for b in rows
-                             if accepts(b.pid, b.tid))
+            self.python.read(b for b in rows if accepts(b.pid, b.tid))
         out = []
         for b in rows:
             if not accepts(b.pid, b.tid):
@@ -246,9 +249,9 @@ class BlockFrames:
                     # there (a big file may take a few sub-ticks' budgets).
                     if unwound is not None and _resolved(unwound) >= _resolved(user):
                         user = unwound
-                t = self.python.of_block(b.tid, b.ts) if self.python is not None else None
-                if t is not None:
-                    user = merged_frames(user, t)
+                py = self.python
+                if py is not None and (t := py.of_block(b.tid, b.ts)) is not None:
+                    user = py.merged(user, t)
             out.append(BlockedNow(
                 pid=b.pid, tid=b.tid, comm=_comm_of(b.pid, b.tid), state=state_name(b.state),
                 blocked_ns=b.waited_ns, kernel=kernel, user=user, before_start=before,

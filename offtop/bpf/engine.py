@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offtop.bpf import environment
 from offtop.bpf.before_start import BeforeStart, cgroup_relative
@@ -46,12 +46,7 @@ from offtop.bpf.loader.load import AheadCompile
 from offtop.bpf.perf_ring import PerfRing, make_room_for_files, online_cpus, ring_pages
 from offtop.bpf.probe import LINEAGE, RULES_OWNER, Drained, Probe, RawRow, RawSums, agg_key
 from offtop.bpf.probe_stats import ProbeStats
-from offtop.bpf.python_frames import PythonFrames
 from offtop.bpf.row_frames import Resolved, RowFrames
-from offtop.bpf.sent_maps import MappingWatch, SentMaps
-from offtop.bpf.stack_store import StackStore
-from offtop.bpf.unwound import UnwoundStacks
-from offtop.bpf.user_stacks import UserStackRepair
 from offtop.bpf.wakers import RawWaker, Wakers
 from offtop.model import (
     Aggregator,
@@ -62,12 +57,15 @@ from offtop.model import (
     Waker,
 )
 from offtop.proc_tasks import in_cgroup
-from offtop.procinfo import ProcessInfoCache
-from offtop.pystacks import PythonStacks
 from offtop.source import SourceInfo, local_info
-from offtop.symbols import KernelSymbols, UserSymbols
 from offtop.targets import TargetWatch, task_start_time
-from offtop.unwind import Unwinder
+
+if TYPE_CHECKING:
+    # Imported once the probe is armed (see `_start_armed`).
+    from offtop.bpf.sent_maps import MappingWatch
+    from offtop.procinfo import ProcessInfoCache
+    from offtop.symbols import KernelSymbols, UserSymbols
+    from offtop.unwind import Unwinder
 
 __all__ = ["BpfSource", "EngineConfig", "EngineError"]
 
@@ -183,7 +181,7 @@ class BpfSource:
         self.aggregator = aggregator or Aggregator()
         self._ksyms = kernel_symbols
         self._usyms = user_symbols
-        self._procinfo = process_info or ProcessInfoCache()
+        self._procinfo = process_info  # made in `start()` if None
         self._unwinder: Unwinder | None = None
         # `ahead`: the program's compile, begun before (offtop.bpf.probe.compile_ahead_of).
         self.probe = Probe(config, ahead=ahead, clock=clock)
@@ -301,6 +299,30 @@ class BpfSource:
         except Exception:
             self.close()
             raise
+        self._start_armed(armed)
+
+    def _start_armed(self, armed: float) -> None:
+        """The rest of `start`, once the probe is armed (at `armed`): what turns its ids
+        into frames and names, and the blocks already under way.
+
+        Their modules are imported here, not with the engine's: the symbolizers,
+        the unwinder, the Python stack reader and psutil take ~65 ms of a CPU to
+        import, which the first interval absorbs (the probe records meanwhile).
+        Before the probe was armed they delayed the first data by as much, on one
+        CPU or beside a first start's compile.
+        """
+        from offtop.bpf.python_frames import PythonFrames
+        from offtop.bpf.stack_store import StackStore
+        from offtop.bpf.unwound import UnwoundStacks
+        from offtop.bpf.user_stacks import UserStackRepair
+        from offtop.procinfo import ProcessInfoCache
+        from offtop.pystacks import PythonStacks
+        from offtop.symbols import KernelSymbols, UserSymbols
+        from offtop.unwind import Unwinder
+
+        cfg = self.config
+        if self._procinfo is None:
+            self._procinfo = ProcessInfoCache()
         if self._ksyms is None and cfg.kernel_stacks:
             self._ksyms = KernelSymbols()
         if self._ksyms is not None and self._ksyms.entry_text is not None:
@@ -348,6 +370,8 @@ class BpfSource:
         assert self._usyms is not None
         if not cfg.sent_map_pages:
             return
+        from offtop.bpf.sent_maps import MappingWatch, SentMaps  # see `_start_armed`
+
         try:
             self._watch = MappingWatch(SentMaps(lineage.exec_of), pages=ring_pages(
                 cfg.sent_map_pages, cfg.sent_map_pages_total, len(online_cpus()), least=4))
@@ -864,8 +888,8 @@ class BpfSource:
         return out
 
     def _build(self, elapsed: float) -> Snapshot:
-        stacks, python = self.frames.stacks, self.frames.python
-        assert stacks is not None and self._ring is not None
+        stacks, python, procinfo = self.frames.stacks, self.frames.python, self._procinfo
+        assert stacks is not None and self._ring is not None and procinfo is not None
         self._seq += 1
         stacks.next_interval(self._seq)
         self._rows.next_interval()
@@ -924,7 +948,7 @@ class BpfSource:
         # store's, the symbols' and the totals'. Each process's start time is
         # read once for all of them (they know the same processes).
         start_time = functools.cache(task_start_time)
-        sweep = self._seq % StackStore.SWEEP_INTERVALS == 0
+        sweep = self._seq % stacks.SWEEP_INTERVALS == 0
         if sweep and usyms is not None:
             usyms.evict(start_time=start_time)
         stacks.trim(start_time)
@@ -944,7 +968,7 @@ class BpfSource:
             long_blocks=iv.long_blocks,
             blocked_now=blocked,
             stats=stats,
-            process_meta=self._procinfo.user_and_cmdline,
+            process_meta=procinfo.user_and_cmdline,
             notices=iv.notices,
             finished=self._finished,
         )
@@ -966,7 +990,8 @@ class BpfSource:
             frames.python.forget_gone(start_time)
         if self._unwinder is not None:
             self._unwinder.forget_gone(start_time)
-        self._procinfo.forget_gone(start_time)
+        if self._procinfo is not None:
+            self._procinfo.forget_gone(start_time)
 
 
 def _errors_by_cause(c: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:

@@ -21,6 +21,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from offtop.model import Frame
 from offtop.pystacks import (
@@ -34,6 +35,20 @@ from offtop.pystacks import (
 
 #: The prefix of Python frames' names in every output.
 PY_PREFIX = "py:"
+
+
+class ThreadBlock(Protocol):
+    """What the reader needs of one blocked thread (`BlockedThread`, or the probe's
+    record of it, `offtop.bpf.blocked.Blocked`)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def tid(self) -> int: ...
+    @property
+    def ts(self) -> int: ...
+    @property
+    def ustack(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +100,9 @@ class PythonFrames:
         failure: it is left out (the reader counts it, once per process)."""
         return Counter({why: n for why, n in self._stacks.failures.items() if why != NOT_PYTHON})
 
-    def read(self, blocked: Iterable[BlockedThread]) -> None:
+    def read(self, blocked: Iterable[ThreadBlock]) -> None:
         """Read the Python stacks of these blocked threads, within the budget."""
-        by_pid: dict[int, list[BlockedThread]] = {}
+        by_pid: dict[int, list[ThreadBlock]] = {}
         for b in blocked:
             by_pid.setdefault(b.pid, []).append(b)
         end = self._clock() + self._budget
@@ -143,6 +158,12 @@ class PythonFrames:
     def is_python(self, pid: int) -> bool:
         """Whether process `pid`'s Python stacks are read (its frames change per sample)."""
         return pid in self._python_pids
+
+    @staticmethod
+    def merged(native: Sequence[Frame], thread: PyThread) -> tuple[Frame, ...]:
+        """`merged_frames`, for a caller that has a reader but not this module (it
+        is imported once the probe is armed: `BpfSource._start_armed`)."""
+        return merged_frames(native, thread)
 
     def of_block(self, tid: int, ts: int, *, pop: bool = False) -> PyThread | None:
         """The Python stack of one block, read while it lasted."""
