@@ -641,7 +641,11 @@ static __always_inline int walk_user_stack(void *args, u32 tgid, struct start_re
 
 // A block of thread `tid` from `start` to `now` (its record `rec`, whose
 // timestamp is already cleared), routed to exactly one of: a perf event (at
-// or above the threshold), the thread's slot sums, the aggregate hash.
+// or above the threshold), the thread's slot sums, the aggregate hash. An
+// event the perf buffer has no room for (offtop fell behind, or a burst
+// outran it) is summed as a shorter block would be: its time and its stacks
+// are kept, only its detail as a long block is lost (counted, and the
+// kernel's own LOST record says so too).
 static __always_inline void account_block(void *args, u32 tid, u32 slot, struct start_rec *rec,
                                           u64 start, u64 now, const char *comm)
 {
@@ -663,9 +667,9 @@ static __always_inline void account_block(void *args, u32 tid, u32 slot, struct 
         ev->cpu = bpf_get_smp_processor_id();
         ev->w = rec->w;
         bpf_probe_read_kernel(&ev->comm, sizeof(ev->comm), comm);
-        if (offcpu_events.perf_submit(args, ev, sizeof(*ev)) != 0)
-            count(C_OUTPUT_FAIL);
-        return;
+        if (offcpu_events.perf_submit(args, ev, sizeof(*ev)) == 0)
+            return;
+        count(C_OUTPUT_FAIL);
     }
 
     u32 gen_slot = CFG_GEN;
