@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from offtop.model import Frame
@@ -38,8 +37,8 @@ PY_PREFIX = "py:"
 
 
 class ThreadBlock(Protocol):
-    """What the reader needs of one blocked thread (`BlockedThread`, or the probe's
-    record of it, `offtop.bpf.blocked.Blocked`)."""
+    """What the reader needs of one blocked thread (the probe's record of it,
+    `offtop.bpf.blocked.Blocked`)."""
 
     @property
     def pid(self) -> int: ...
@@ -51,33 +50,9 @@ class ThreadBlock(Protocol):
     def ustack(self) -> int: ...
 
 
-@dataclass(frozen=True, slots=True)
-class BlockedThread:
-    """What the reader needs of one blocked thread."""
-
-    pid: int
-    tid: int
-    ts: int
-    ustack: int
-
-
 def python_frame(f: PyFrame) -> Frame:
     """A model frame for a Python frame."""
     return Frame(name=PY_PREFIX + f.label, module=f.filename)
-
-
-def merged_frames(native: Sequence[Frame], thread: PyThread) -> tuple[Frame, ...]:
-    """`native` with the thread's Python frames spliced in (see offtop.pystacks.merge)."""
-    merged = merge_stacks(native, thread.frames, gil_wait=thread.waits_for_gil)
-    out: list[Frame] = []
-    for f in merged.frames:
-        if isinstance(f, PyFrame):
-            out.append(python_frame(f))
-        elif isinstance(f, StackMarker):
-            out.append(Frame(name=f.name))
-        else:
-            out.append(f)
-    return tuple(out)
 
 
 class PythonFrames:
@@ -161,9 +136,19 @@ class PythonFrames:
 
     @staticmethod
     def merged(native: Sequence[Frame], thread: PyThread) -> tuple[Frame, ...]:
-        """`merged_frames`, for a caller that has a reader but not this module (it
-        is imported once the probe is armed: `BpfSource._start_armed`)."""
-        return merged_frames(native, thread)
+        """`native` with the thread's Python frames spliced in (see offtop.pystacks.merge).
+        A method, so that callers reach it through a reader they hold: this module is
+        imported once the probe is armed (`BpfSource._start_armed`)."""
+        merged = merge_stacks(native, thread.frames, gil_wait=thread.waits_for_gil)
+        out: list[Frame] = []
+        for f in merged.frames:
+            if isinstance(f, PyFrame):
+                out.append(python_frame(f))
+            elif isinstance(f, StackMarker):
+                out.append(Frame(name=f.name))
+            else:
+                out.append(f)
+        return tuple(out)
 
     def of_block(self, tid: int, ts: int, *, pop: bool = False) -> PyThread | None:
         """The Python stack of one block, read while it lasted."""
