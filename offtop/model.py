@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import heapq
 import threading
+from array import array
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NotRequired, Protocol, TypedDict, Unpack, cast
@@ -1371,21 +1372,13 @@ def merge_identical(stacks: Sequence[StackRow], by: MergeBy,
     return out, len(groups)
 
 
-@dataclass(slots=True)
-class _Running:
-    """One key's running total in `SinceStart` (private): the sums, and what the
-    key does not say of its stack (its tid, state and before-start are the key's).
-    Not a row: a row kept per total held its first snapshot's sums too, ~200 bytes
-    of 500 a total, 4 MB at the 20,000 totals a busy server fills."""
+#: A since-start key: (id of the kernel tuple, id of the user tuple, tid, state,
+#: before-start).
+_SinceKey = tuple[int, int, int, str, bool]
 
-    ns: int
-    count: int
-    max_ns: int
-    pid: int
-    comm: str
-    kernel: tuple[Frame, ...]
-    user: tuple[Frame, ...]
-    seen: int = 0  #: the last fold (`SinceStart`'s count) whose snapshot had this key
+#: The largest sum `SinceStart` holds (its arrays' cells are unsigned 64-bit): a sum
+#: past it (only a replayed file could make one) stays there.
+_SUM_MAX = (1 << 64) - 1
 
 
 #: `SinceStart._shed`'s weight of a key its latest snapshot had: above any other's.
@@ -1410,6 +1403,16 @@ class SinceStart:
     rows, most time first. Bounded: past `max_entries` keys the lightest
     are dropped down to three quarters, their time counted in `dropped_ns`;
     the keys of the snapshot just summed go last (see `_shed`).
+
+    The totals live a session long, 20,000 of them on a busy server, and every
+    full pass of the cyclic GC walks what lives (offtop.gc_pacing): they are
+    kept where it has nothing to walk. A key's sums are cells of unsigned
+    64-bit arrays (not objects: nothing to visit), at the slot an index dict
+    gives (ints for tuples of ints: the GC stops tracking such a dict at its
+    next full pass); its name and frames are items of three lists. Held as
+    one object a key, they were ~220,000 references for the full pass to
+    visit, each a cache miss, at the 20,000 totals a busy server fills
+    (bench/bench_ui.py); now ~60,000.
     """
 
     #: Snapshots queued at most before `add` folds them itself.
@@ -1418,9 +1421,15 @@ class SinceStart:
     def __init__(self, max_entries: int = 20_000) -> None:
         self._max = max_entries
         self._lock = threading.Lock()
-        self._totals: dict[tuple[int, int, int, str, bool], _Running] = {}
+        self._slots: dict[_SinceKey, int] = {}  # key -> its slot in the lists below
+        self._ns, self._count, self._max_ns = array("Q"), array("Q"), array("Q")
+        self._seen = array("Q")  # the last fold (`_folded`) whose snapshot had the key
+        self._pid = array("Q")
+        self._comm: list[str] = []
+        self._kernel: list[tuple[Frame, ...]] = []
+        self._user: list[tuple[Frame, ...]] = []
         self._pending: list[Sequence[StackRow]] = []
-        self._folded = 0  # snapshots summed: `_Running.seen` counts these
+        self._folded = 0  # snapshots summed
         self._catalog = ChainCatalog()
         #: Off-CPU time of the keys dropped to stay bounded.
         self.dropped_ns = 0
@@ -1451,37 +1460,80 @@ class SinceStart:
             self._fold()
 
     def _fold(self) -> None:
-        totals = self._totals
-        get = totals.get
+        slots, comms = self._slots, self._comm
+        ns, count, max_ns, seen_at = self._ns, self._count, self._max_ns, self._seen
+        get = slots.get
         for stacks in self._pending:
             self._folded += 1
             seen = self._folded
             for s in stacks:
                 # The cheapest key that tells stacks apart (this loop is the cost).
                 key = (id(s.kernel), id(s.user), s.tid, s.state, s.before_start)
-                cur = get(key)
-                if cur is None:
-                    # Its wakers are not summed here: not held either.
-                    totals[key] = _Running(s.offcpu_ns, s.count, s.max_ns, s.pid, s.comm,
-                                           s.kernel, s.user, seen)
-                else:
-                    cur.ns += s.offcpu_ns
-                    cur.count += s.count
-                    cur.seen = seen
-                    if s.max_ns > cur.max_ns:
-                        cur.max_ns = s.max_ns
-                    cur.comm = s.comm  # a thread renamed: its latest name (all else is the key's)
-            if len(totals) > self._max:
+                i = get(key)
+                done = 0  # the sums written so far (see `_saturate`)
+                try:
+                    if i is None:
+                        # Its wakers are not summed here: not held either.
+                        ns.append(s.offcpu_ns)
+                        count.append(s.count)
+                        max_ns.append(s.max_ns)
+                        seen_at.append(seen)
+                        self._pid.append(s.pid)
+                        slots[key] = len(comms)
+                        comms.append(s.comm)
+                        self._kernel.append(s.kernel)
+                        self._user.append(s.user)
+                        continue
+                    ns[i] += s.offcpu_ns
+                    done = 1
+                    count[i] += s.count
+                    done = 2
+                    if s.max_ns > max_ns[i]:
+                        max_ns[i] = s.max_ns
+                    seen_at[i] = seen
+                except OverflowError:
+                    self._saturate(key, i, s, seen, done)
+                    continue
+                if comms[i] != s.comm:  # a thread renamed: its latest name (all else is the key's)
+                    comms[i] = s.comm
+            if len(comms) > self._max:
                 self._shed()
-                totals = self._totals
-                get = totals.get
+                slots, comms = self._slots, self._comm
+                ns, count, max_ns, seen_at = self._ns, self._count, self._max_ns, self._seen
+                get = slots.get
         self._pending.clear()
+
+    def _saturate(self, key: _SinceKey, i: int | None, s: StackRow, seen: int,
+                  done: int) -> None:
+        """`_fold`'s sums of `s` where one overflowed its cell (only a replayed file
+        can make one): each held at `_SUM_MAX`. `done`: how many of the key's
+        sums (ns, count) `_fold` wrote before the overflow."""
+        if i is None:  # a new key: its cells appended so far are undone
+            i = n = len(self._comm)
+            for a in (self._ns, self._count, self._max_ns, self._seen, self._pid):
+                del a[n:]
+                a.append(0)
+            self._pid[i] = min(max(s.pid, 0), _SUM_MAX)
+            self._slots[key] = n
+            self._comm.append(s.comm)
+            self._kernel.append(s.kernel)
+            self._user.append(s.user)
+        if done < 1:
+            self._ns[i] = min(self._ns[i] + max(s.offcpu_ns, 0), _SUM_MAX)
+        if done < 2:
+            self._count[i] = min(self._count[i] + max(s.count, 0), _SUM_MAX)
+        self._max_ns[i] = min(max(self._max_ns[i], s.max_ns), _SUM_MAX)
+        self._seen[i] = seen
+        self._comm[i] = s.comm
 
     def clear(self) -> None:
         """Forget every total: the next `add` starts them again (a replay
         jumped, and its totals begin at the interval it jumped to)."""
         with self._lock:
-            self._totals.clear()
+            self._slots = {}
+            self._ns, self._count, self._max_ns = array("Q"), array("Q"), array("Q")
+            self._seen, self._pid = array("Q"), array("Q")
+            self._comm, self._kernel, self._user = [], [], []
             self._pending.clear()
             self.dropped_ns = 0
             self.snapshots = 0
@@ -1499,28 +1551,35 @@ class SinceStart:
         more than an interval or two, and all of them summed afresh at every
         fold (measured at the busy server: 8,300 new keys of 8,330 a snapshot).
         """
-        totals = self._totals
-        cut = len(totals) - self._max * 3 // 4
+        ns, seen_at = self._ns, self._seen
+        cut = len(self._comm) - self._max * 3 // 4
         if cut <= 0:
             return
         fresh, top = self._folded, _FRESH
-        weights = sorted([min(c.ns, top - 1) | (top if c.seen == fresh else 0)
-                          for c in totals.values()])
+        weights = [min(n, top - 1) | (top if at == fresh else 0)
+                   for n, at in zip(ns, seen_at, strict=True)]
+        ordered = sorted(weights)
         # Dropped: every key lighter than `limit`, and as many at `limit` as make `cut`.
-        limit = weights[cut - 1]
-        ties = cut - bisect.bisect_left(weights, limit)
-        kept: dict[tuple[int, int, int, str, bool], _Running] = {}
+        limit = ordered[cut - 1]
+        ties = cut - bisect.bisect_left(ordered, limit)
+        keep: list[int] = []
         dropped = 0
-        for key, cur in totals.items():
-            w = min(cur.ns, top - 1) | (top if cur.seen == fresh else 0)
+        for i, w in enumerate(weights):
             if w > limit or (w == limit and ties <= 0):
-                kept[key] = cur
+                keep.append(i)
             else:
                 if w == limit:
                     ties -= 1
-                dropped += cur.ns
+                dropped += ns[i]
         self.dropped_ns += dropped
-        self._totals = kept
+        slot_of = {i: new for new, i in enumerate(keep)}
+        self._slots = {key: slot_of[i] for key, i in self._slots.items() if i in slot_of}
+        self._ns, self._count, self._max_ns, self._seen, self._pid = (
+            array("Q", [a[i] for i in keep])
+            for a in (self._ns, self._count, self._max_ns, self._seen, self._pid))
+        self._comm = [self._comm[i] for i in keep]
+        self._kernel = [self._kernel[i] for i in keep]
+        self._user = [self._user[i] for i in keep]
 
     def ranked(self, keep: Callable[[int, int, str], bool] | None = None,
                limit: int | None = None) -> tuple[StackRow, ...]:
@@ -1529,9 +1588,11 @@ class SinceStart:
         by default). Rows are made for those only."""
         with self._lock:  # held briefly: `add` waits for it in the source's thread
             self._fold()
-            items = [(key, c.ns, c.count, c.max_ns, c.pid, c.comm, c.kernel, c.user)
-                     for key, c in self._totals.items()
-                     if keep is None or keep(c.pid, key[2], c.comm)]
+            a_ns, a_count, a_max, a_pid = self._ns, self._count, self._max_ns, self._pid
+            comms, kernels, users = self._comm, self._kernel, self._user
+            items = [(key, a_ns[i], a_count[i], a_max[i], a_pid[i], comms[i], kernels[i], users[i])
+                     for key, i in self._slots.items()
+                     if keep is None or keep(a_pid[i], key[2], comms[i])]
             info = self._catalog.info
         merged: dict[tuple[int, str, bool, int], list[Any]] = {}
         for (_k, _u, tid, state, before), ns, count, max_ns, pid, comm, kernel, user in items:
