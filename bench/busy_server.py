@@ -651,8 +651,15 @@ class Plan:
 def soak_tui(plan: Plan, every_s: float = 5.0) -> dict[str, Any] | None:
     """The TUI alone for `plan.soak` s on the running load: RSS every `every_s`, its peak
     (VmHWM), and its slope over the second half. A window of 15 s showed the TUI before
-    its per-process caches and since-start totals filled: it grew past the bar after."""
-    tool = start_tool("tui", plan.code, plan.tool_cpus)
+    its per-process caches and since-start totals filled: it grew past the bar after.
+    The TUI runs through bench/gc_timed.py, which times each of its full GC passes
+    (one every 30 snapshots: none falls in a round's window)."""
+    gc_log = OUT / "busy-tui-gc-passes.jsonl"
+    gc_log.unlink(missing_ok=True)
+    env = {**dict(plan.code.env), "OFFTOP_BENCH_GC_LOG": str(gc_log)}
+    tool = InTmux("tui", lambda: TmuxSession([PY, str(BENCH / "gc_timed.py"), "--interval", "1"],
+                                             "offtop", cwd=plan.code.cwd, env=env,
+                                             cpus=plan.tool_cpus))
     try:
         warm_up(tool, 0.0, plan.start_timeout)
         t0, k0 = time.monotonic(), cpu_ticks(tool.pid)
@@ -669,8 +676,27 @@ def soak_tui(plan: Plan, every_s: float = 5.0) -> dict[str, Any] | None:
         tool.stop()
     growth = 60.0 * slope([s for s in samples if s[0] >= plan.soak / 2] or samples)
     say(f"  TUI soak: {plan.soak:.0f} s, RSS {samples[-1][1]:.0f} MB, peak {peak:.0f} MB")
-    return {"seconds": plan.soak, "rss_mb_end": samples[-1][1], "peak_rss_mb": peak,
-            "growth_mb_per_min": growth, "cpu_pct": cpu, "rss_mb_samples": [round(r, 1) for _, r in samples]}
+    out = {"seconds": plan.soak, "rss_mb_end": samples[-1][1], "peak_rss_mb": peak,
+           "growth_mb_per_min": growth, "cpu_pct": cpu, "rss_mb_samples": [round(r, 1) for _, r in samples]}
+    passes = gc_passes(gc_log)
+    if passes:
+        out["gc_passes"] = passes
+    return out
+
+
+def gc_passes(log: Path) -> dict[str, Any] | None:
+    """The full GC passes bench/gc_timed.py logged, but the first (which freezes): their
+    CPU and wall time (ms), as Dists' JSON; None if none came."""
+    try:
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    later = [p for p in lines if not p.get("first")]
+    if not later:
+        return None
+    return {"count": len(later),
+            "cpu_ms": Dist(tuple(p["cpu_ms"] for p in later)).json(),
+            "wall_ms": Dist(tuple(p["wall_ms"] for p in later)).json()}
 
 
 def run_busy(plan: Plan) -> tuple[dict[str, Any], str]:
@@ -712,6 +738,13 @@ def run_busy(plan: Plan) -> tuple[dict[str, Any], str]:
                  f"its caches and the since-start totals are full): RSS {soak['rss_mb_end']:.0f} MB at "
                  f"the end, peak {soak['peak_rss_mb']:.0f} MB, {soak['growth_mb_per_min']:+.1f} MB/min "
                  f"over the last half; CPU {soak['cpu_pct']:.1f} % of one core\n")
+        gcp = soak.get("gc_passes")
+        if gcp:
+            c, w = gcp["cpu_ms"], gcp["wall_ms"]
+            text += (f"   its full GC passes (one every 30 snapshots; the first, which freezes, left "
+                     f"out): {gcp['count']}, CPU {c['median']:.0f} ({c['min']:.0f}{DASH}{c['max']:.0f}) ms, "
+                     f"wall {w['median']:.0f} ({w['min']:.0f}{DASH}{w['max']:.0f}) ms: the TUI does nothing "
+                     f"else meanwhile (target: every key and tick < 100 ms)\n")
     if full:
         res["full_census"] = full
         text += (f"   everything in one interval (offtop --limit 0, {full['interval_s']:.1f} s, a "

@@ -1321,6 +1321,14 @@ def busy_rows(b: dict[str, Any], run: str) -> list[tuple[str, str, str, str, str
                      f"{soak['growth_mb_per_min']:+.1f} MB/min over the last half "
                      f"(CPU {soak['cpu_pct']:.1f} % of one core)",
                      f"{LE} {rss_target:g} MB", yes_no(soak["peak_rss_mb"] <= rss_target), run))
+        gcp = soak.get("gc_passes")
+        if gcp:
+            c, w = gcp["cpu_ms"], gcp["wall_ms"]
+            rows.append(("7. busy server: the TUI's full GC pass in the field (one every 30 snapshots)",
+                         f"CPU {c['median']:.0f} ({c['min']:.0f}{DASH}{c['max']:.0f}) ms, wall "
+                         f"{w['median']:.0f} ({w['min']:.0f}{DASH}{w['max']:.0f}) ms, {gcp['count']} passes "
+                         f"in {soak['seconds'] / 60:.0f} min (bench/gc_timed.py): the TUI stops meanwhile",
+                         "< 100 ms (6.'s bar: every key and tick)", yes_no(w["max"] < 100), run))
     line = tools.get("batch", {}).get("json_line_bytes")
     if line:
         limit = b["targets"]["json_line_bytes"]
