@@ -1412,7 +1412,9 @@ class SinceStart:
     next full pass); its name and frames are items of three lists. Held as
     one object a key, they were ~220,000 references for the full pass to
     visit, each a cache miss, at the 20,000 totals a busy server fills
-    (bench/bench_ui.py); now ~60,000.
+    (bench/bench_ui.py); now ~60,000. The price is in the fold, off the event
+    loop: a cell is read into a new int and written back from one, where an
+    object's slot held the int itself (1.4-2.4x slower, bench/README.md).
     """
 
     #: Snapshots queued at most before `add` folds them itself.
@@ -1460,8 +1462,8 @@ class SinceStart:
             self._fold()
 
     def _fold(self) -> None:
-        slots, comms = self._slots, self._comm
-        ns, count, max_ns, seen_at = self._ns, self._count, self._max_ns, self._seen
+        slots, comms, kernels, users = self._slots, self._comm, self._kernel, self._user
+        ns, count, max_ns, seen_at, pids = self._ns, self._count, self._max_ns, self._seen, self._pid
         get = slots.get
         for stacks in self._pending:
             self._folded += 1
@@ -1478,11 +1480,11 @@ class SinceStart:
                         count.append(s.count)
                         max_ns.append(s.max_ns)
                         seen_at.append(seen)
-                        self._pid.append(s.pid)
+                        pids.append(s.pid)
                         slots[key] = len(comms)
                         comms.append(s.comm)
-                        self._kernel.append(s.kernel)
-                        self._user.append(s.user)
+                        kernels.append(s.kernel)
+                        users.append(s.user)
                         continue
                     ns[i] += s.offcpu_ns
                     done = 1
@@ -1498,8 +1500,9 @@ class SinceStart:
                     comms[i] = s.comm
             if len(comms) > self._max:
                 self._shed()
-                slots, comms = self._slots, self._comm
-                ns, count, max_ns, seen_at = self._ns, self._count, self._max_ns, self._seen
+                slots, comms, kernels, users = self._slots, self._comm, self._kernel, self._user
+                ns, count, max_ns, seen_at, pids = (self._ns, self._count, self._max_ns,
+                                                    self._seen, self._pid)
                 get = slots.get
         self._pending.clear()
 
@@ -1572,8 +1575,10 @@ class SinceStart:
                     ties -= 1
                 dropped += ns[i]
         self.dropped_ns += dropped
-        slot_of = {i: new for new, i in enumerate(keep)}
-        self._slots = {key: slot_of[i] for key, i in self._slots.items() if i in slot_of}
+        slot_of = [-1] * len(weights)  # old slot -> new, -1 where dropped
+        for new, i in enumerate(keep):
+            slot_of[i] = new
+        self._slots = {key: slot_of[i] for key, i in self._slots.items() if slot_of[i] >= 0}
         self._ns, self._count, self._max_ns, self._seen, self._pid = (
             array("Q", [a[i] for i in keep])
             for a in (self._ns, self._count, self._max_ns, self._seen, self._pid))
