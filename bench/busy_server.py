@@ -657,9 +657,9 @@ def soak_tui(plan: Plan, every_s: float = 5.0) -> dict[str, Any] | None:
     gc_log = OUT / "busy-tui-gc-passes.jsonl"
     gc_log.unlink(missing_ok=True)
     env = {**dict(plan.code.env), "OFFTOP_BENCH_GC_LOG": str(gc_log)}
-    tool = InTmux("tui", lambda: TmuxSession([PY, str(BENCH / "gc_timed.py"), "--interval", "1"],
-                                             "offtop", cwd=plan.code.cwd, env=env,
-                                             cpus=plan.tool_cpus))
+    tool = InTmux("tui", lambda: TuiSession(["--interval", "1"], cwd=plan.code.cwd, env=env,
+                                            cpus=plan.tool_cpus,
+                                            launcher=(str(BENCH / "gc_timed.py"),)))
     try:
         warm_up(tool, 0.0, plan.start_timeout)
         t0, k0 = time.monotonic(), cpu_ticks(tool.pid)
@@ -742,9 +742,8 @@ def run_busy(plan: Plan) -> tuple[dict[str, Any], str]:
         if gcp:
             c, w = gcp["cpu_ms"], gcp["wall_ms"]
             text += (f"   its full GC passes (one every 30 snapshots; the first, which freezes, left "
-                     f"out): {gcp['count']}, CPU {c['median']:.0f} ({c['min']:.0f}{DASH}{c['max']:.0f}) ms, "
-                     f"wall {w['median']:.0f} ({w['min']:.0f}{DASH}{w['max']:.0f}) ms: the TUI does nothing "
-                     f"else meanwhile (target: every key and tick < 100 ms)\n")
+                     f"out): {gcp['count']}, CPU {_fmtd(c, 1, 0)} ms, wall {_fmtd(w, 1, 0)} ms: "
+                     f"the TUI does nothing else meanwhile (target: every key and tick < 100 ms)\n")
     if full:
         res["full_census"] = full
         text += (f"   everything in one interval (offtop --limit 0, {full['interval_s']:.1f} s, a "

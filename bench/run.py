@@ -762,11 +762,12 @@ class TmuxSession:
 
 
 class TuiSession(TmuxSession):
-    """offtop's TUI in a detached tmux session."""
+    """offtop's TUI in a detached tmux session. `launcher`: what runs offtop's command
+    line (`python -m offtop.cli`; bench/gc_timed.py times its GC passes)."""
 
     def __init__(self, args: Sequence[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
-                 cpus: str | None = TRACER_CPU) -> None:
-        super().__init__([PY, "-m", "offtop.cli", *args], "offtop", cwd=cwd, env=env, cpus=cpus)
+                 cpus: str | None = TRACER_CPU, launcher: Sequence[str] = ("-m", "offtop.cli")) -> None:
+        super().__init__([PY, *launcher, *args], "offtop", cwd=cwd, env=env, cpus=cpus)
 
 
 def measure_cpu(pid: int, seconds: float) -> float:
@@ -1325,8 +1326,7 @@ def busy_rows(b: dict[str, Any], run: str) -> list[tuple[str, str, str, str, str
         if gcp:
             c, w = gcp["cpu_ms"], gcp["wall_ms"]
             rows.append(("7. busy server: the TUI's full GC pass in the field (one every 30 snapshots)",
-                         f"CPU {c['median']:.0f} ({c['min']:.0f}{DASH}{c['max']:.0f}) ms, wall "
-                         f"{w['median']:.0f} ({w['min']:.0f}{DASH}{w['max']:.0f}) ms, {gcp['count']} passes "
+                         f"CPU {_dist(c)} ms, wall {_dist(w)} ms, {gcp['count']} passes "
                          f"in {soak['seconds'] / 60:.0f} min (bench/gc_timed.py): the TUI stops meanwhile",
                          "< 100 ms (6.'s bar: every key and tick)", yes_no(w["max"] < 100), run))
     line = tools.get("batch", {}).get("json_line_bytes")
