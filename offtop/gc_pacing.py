@@ -37,8 +37,12 @@ passes then find is ~40 objects a second.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 def freeze_alive() -> None:
@@ -99,3 +103,30 @@ class GcPacing:
         if self._saved is not None:
             gc.set_threshold(*self._saved)
             self._saved = None
+
+
+class Parcel(Generic[T]):
+    """A worker thread's inputs, handed over once (`take`).
+
+    A finished Textual worker is a reference cycle (it and its task reach
+    each other through the context they ran in), so only a full pass frees
+    it, and until then it keeps its arguments alive. Given a snapshot's
+    index or its stacks, every such worker kept a snapshot: at a busy server
+    with all stacks merged, 8-9 dead snapshots (90,000 stack rows) waited
+    for each full pass, which then took 0.7 s, and RSS grew by 70 MB. A
+    worker given a parcel takes its inputs out as it starts and holds
+    nothing once it ran. (One cancelled before it started never takes them:
+    they wait for the next full pass, as before.)
+    """
+
+    __slots__ = ("_lock", "_value")
+
+    def __init__(self, value: T) -> None:
+        self._lock = threading.Lock()
+        self._value: T | None = value
+
+    def take(self) -> T | None:
+        """The inputs, the first time; None after."""
+        with self._lock:
+            value, self._value = self._value, None
+        return value

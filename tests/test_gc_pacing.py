@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from offtop.batch import batch_loop, make_format
-from offtop.gc_pacing import GcPacing
+from offtop.gc_pacing import GcPacing, Parcel
 from offtop.model import Snapshot
 from offtop.outputs import Outputs
 from offtop.source import SourceInfo
@@ -175,3 +175,10 @@ def test_a_redraw_s_cycles_die_young_once_the_passes_are_the_loop_s() -> None:
         assert _full_pass_garbage(5_000, 20_000) <= 500
     finally:
         p.restore()
+
+
+def test_a_parcel_hands_its_inputs_over_once() -> None:
+    inputs = [1, 2, 3]
+    parcel = Parcel(inputs)
+    assert parcel.take() is inputs
+    assert parcel.take() is None  # the worker holds nothing once it took them

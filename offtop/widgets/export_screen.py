@@ -12,6 +12,7 @@ from typing import Any
 
 from textual.app import App
 
+from offtop.gc_pacing import Parcel
 from offtop.safe_text import printable_lines
 from offtop.widgets.choice_screen import ChoiceScreen
 from offtop.widgets.stacks_pane import ViewData
@@ -23,7 +24,7 @@ def export_view(app: App[Any], view: ViewData, directory: Path) -> None:
 
     def chosen(fmt: str | None) -> None:
         if fmt:
-            app.run_worker(partial(_write, app, view, fmt, directory), thread=True,
+            app.run_worker(partial(_write, app, Parcel(view), fmt, directory), thread=True,
                            group="export", exit_on_error=False)
 
     app.push_screen(ChoiceScreen(f"Write {len(view.stacks):,} stacks as",
@@ -32,8 +33,11 @@ def export_view(app: App[Any], view: ViewData, directory: Path) -> None:
                     chosen)
 
 
-def _write(app: App[Any], view: ViewData, fmt: str, directory: Path) -> None:
+def _write(app: App[Any], parcel: Parcel[ViewData], fmt: str, directory: Path) -> None:
     """Write the file (in a worker thread); say where, or why not."""
+    view = parcel.take()
+    if view is None:
+        return
     try:
         path = write_view(view, fmt, directory)
     except (OSError, ValueError) as error:

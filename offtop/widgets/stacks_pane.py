@@ -34,6 +34,7 @@ from textual.message import Message
 from textual.reactive import var
 from textual.widgets import ContentSwitcher
 
+from offtop.gc_pacing import Parcel
 from offtop.model import (
     MergeBy,
     MergedStack,
@@ -348,15 +349,18 @@ class StacksPane(ContentSwitcher, TitledPane):
             return False
         if self._learning is not index:
             self._learning = index
-            self._learn_chains(stacks, index)
+            self._learn_chains(Parcel((stacks, index)))
         return True
 
     @work(thread=True, exclusive=True, group="chains", exit_on_error=False,
           description="chain numbers")
-    def _learn_chains(self, stacks: list[StackRow], index: SnapshotIndex) -> None:
-        """Work out the chains of `stacks` off the event loop."""
-        index.facts_of(stacks)
-        self.post_message(self.ChainsLearned(index))
+    def _learn_chains(self, parcel: Parcel[tuple[list[StackRow], SnapshotIndex]]) -> None:
+        """Work out the chains of some stacks of an index off the event loop."""
+        got = parcel.take()
+        if got is not None:
+            stacks, index = got
+            index.facts_of(stacks)
+            self.post_message(self.ChainsLearned(index))
 
     @on(ChainsLearned)
     def _chains_learned(self, message: ChainsLearned) -> None:
@@ -467,7 +471,7 @@ class StacksPane(ContentSwitcher, TitledPane):
         due = what != self._flame_inputs[:1] or time.monotonic() >= self._flame_due
         if inputs != self._flame_inputs and due:
             self._flame_inputs = inputs
-            self._build_flame(stacks, self._scope_title(scope).plain, group, inputs,
+            self._build_flame(Parcel(stacks), self._scope_title(scope).plain, group, inputs,
                               (self.show_kernel, self.show_user))
         if self._searched != self.filter_text.strip():
             self._search()
@@ -481,9 +485,12 @@ class StacksPane(ContentSwitcher, TitledPane):
     # on the event loop (20,000 stack rows: a quarter of a second).
     @work(thread=True, exclusive=True, group="flame", exit_on_error=False,
           description="flame graph")
-    def _build_flame(self, stacks: list[StackRow], title: str, group: GroupBy,
+    def _build_flame(self, parcel: Parcel[list[StackRow]], title: str, group: GroupBy,
                      inputs: tuple[Hashable, ...], frames: tuple[bool, bool]) -> None:
         """Merge the stacks into a flame tree off the event loop."""
+        stacks = parcel.take()
+        if stacks is None:
+            return
         start = time.monotonic()
         tree = FlameTree(stacks, title=title, group_by=group, show_kernel=frames[0],
                          show_user=frames[1])
