@@ -37,7 +37,6 @@ passes then find is ~40 objects a second.
 from __future__ import annotations
 
 import gc
-import threading
 import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -119,14 +118,12 @@ class Parcel(Generic[T]):
     they wait for the next full pass, as before.)
     """
 
-    __slots__ = ("_lock", "_value")
+    __slots__ = ("_value",)
 
     def __init__(self, value: T) -> None:
-        self._lock = threading.Lock()
         self._value: T | None = value
 
     def take(self) -> T | None:
-        """The inputs, the first time; None after."""
-        with self._lock:
-            value, self._value = self._value, None
+        """The inputs, the first time; None after (its one taker is the worker)."""
+        value, self._value = self._value, None
         return value

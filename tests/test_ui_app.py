@@ -187,6 +187,13 @@ def header_text(app: OfftopApp) -> str:
     return app.query_one(OfftopHeader).render().plain
 
 
+def in_new_tuples(snap: Snapshot) -> Snapshot:
+    """`snap` with each stack's frames in new tuples: chains the catalog has not seen."""
+    return dataclasses.replace(snap, stacks=tuple(
+        dataclasses.replace(s, kernel=tuple(list(s.kernel)), user=tuple(list(s.user)))
+        for s in snap.stacks))
+
+
 def pane(app: OfftopApp) -> StacksPane:
     return app.query_one(StacksPane)
 
@@ -754,9 +761,7 @@ async def test_a_merge_meeting_many_new_chains_works_them_out_in_a_thread_first(
         # "merging…" at every tick, until the new chains are known.
         merged = table.row_keys_in_order
         gate.clear()
-        fresh = [dataclasses.replace(s, kernel=tuple(list(s.kernel)), user=tuple(list(s.user)))
-                 for s in SNAPS[1].stacks]
-        app.publish(dataclasses.replace(SNAPS[1], stacks=tuple(fresh)))
+        app.publish(in_new_tuples(SNAPS[1]))
         await shown(pilot, app, SNAPS[1].seq)
         assert "merged by process" in subtitle(pane(app)) and table.row_keys_in_order == merged
         gate.set()
@@ -767,7 +772,6 @@ async def test_a_merge_meeting_many_new_chains_works_them_out_in_a_thread_first(
         await pilot.press("m")
         await pilot.pause()
         assert "merged by command" in subtitle(pane(app))
-
 
 
 @pytest.fixture
@@ -793,12 +797,11 @@ async def test_a_worker_that_merged_a_snapshot_does_not_keep_it(
         await shown_then(pilot, app, "a", "m")
         await until(pilot, lambda: "merged by process" in subtitle(pane(app)), "merged rows")
         merged = weakref.ref(pane(app).index)
-        fresh = [dataclasses.replace(s, kernel=tuple(list(s.kernel)), user=tuple(list(s.user)))
-                 for s in SNAPS[1].stacks]
-        app.publish(dataclasses.replace(SNAPS[1], stacks=tuple(fresh)))
+        app.publish(in_new_tuples(SNAPS[1]))
         await shown(pilot, app, SNAPS[1].seq)
         await until(pilot, lambda: pane(app).index is not merged(), "the next index")
         await until(pilot, lambda: merged() is None, "the merged snapshot's index freed")
+
 
 async def test_idle_waits_hidden_with_a_key() -> None:
     app = OfftopApp(fake_source(), clock=FakeClock())

@@ -357,10 +357,11 @@ class StacksPane(ContentSwitcher, TitledPane):
     def _learn_chains(self, parcel: Parcel[tuple[list[StackRow], SnapshotIndex]]) -> None:
         """Work out the chains of some stacks of an index off the event loop."""
         got = parcel.take()
-        if got is not None:
-            stacks, index = got
-            index.facts_of(stacks)
-            self.post_message(self.ChainsLearned(index))
+        if got is None:
+            return
+        stacks, index = got
+        index.facts_of(stacks)
+        self.post_message(self.ChainsLearned(index))
 
     @on(ChainsLearned)
     def _chains_learned(self, message: ChainsLearned) -> None:
