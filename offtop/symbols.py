@@ -844,7 +844,8 @@ class UserSymbols:
             syms = self.elf.get(m.handle, deadline=deadline, expect=m.ident)
             if isinstance(syms, ElfSymbols):
                 p.tables[m.start] = (now, syms)
-        if (syms is None or isinstance(syms, str)) and p.dead_since is None \
+        if (syms is None or (isinstance(syms, str) and syms != TIME_BUDGET)) \
+                and p.dead_since is None \
                 and (task_ending(pid, self._proc_root) or self._start_time(pid) != p.start):
             # Gone since it was last asked about (its rows are read after it
             # ended, under the start time it had): a process seen alive for a
@@ -854,7 +855,9 @@ class UserSymbols:
             # the other way round, a process reaped between the two reads (the
             # shell waits at once) was taken as alive: a block of a loop of `sleep
             # 0.01` named `libc.so.6+0x…` in 4 of ~340 runs of its end-to-end test
-            # beside two CPU hogs.
+            # beside two CPU hogs. A file out of time (TIME_BUDGET) was found by
+            # its map_files link, so its process lived: not asked (two reads of
+            # /proc a frame, for every frame of a flood past its budget).
             p.dead_since = now
         if (syms is None or isinstance(syms, str)) and p.dead_since is not None:
             if known is not None:

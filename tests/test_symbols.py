@@ -475,6 +475,24 @@ def test_past_the_deadline_frames_are_deferred_uncached_then_resolve() -> None:
     assert u.errors == {TIME_BUDGET: 1}
 
 
+def test_frames_past_the_deadline_do_not_ask_whether_their_process_lives(
+        monkeypatch: Any) -> None:
+    """A file out of time was found by its process's map_files link: the process
+    lived. Asked anyway, a flood past its budget read /proc/PID/stat twice a frame
+    (18% of a starved engine's read of the sums, in py-spy)."""
+    import offtop.symbols as symbols
+
+    asked: list[int] = []
+    monkeypatch.setattr(symbols, "task_ending", lambda pid, proc: asked.append(pid) or False)
+    getpid = _addr(LIBC.getpid)
+    now = [100.0]
+    u = UserSymbols(clock=lambda: now[0], elf_cache=ElfCache(clock=lambda: now[0]))
+    frames = u.resolve_stack(os.getpid(), [getpid + 1 + i for i in range(50)], deadline=99.0)
+    assert all(f.unknown and f.module == "libc.so.6" for f in frames)
+    assert u.errors == {TIME_BUDGET: 50}
+    assert asked == []
+
+
 def test_a_big_file_loads_in_bounded_steps_across_calls() -> None:
     """Each get() does at most about one step past its deadline; the file still loads."""
     path = "/usr/lib/x86_64-linux-gnu/libc.so.6"

@@ -82,6 +82,13 @@ BEHIND_ID = UNRESOLVED_ID - 1
 #: (a flood of new stacks makes a row cost tens of microseconds).
 _STOP_CHECK_ROWS = 512
 
+#: New rows resolved at each read of the sums even when offtop is behind
+#: (`BpfSource._sum_rows`), and new stacks at each sub-tick
+#: (`_resolve_new_stacks`): on a starved CPU the read and the carry alone can
+#: outlast a sub-tick, and with nothing resolved past it offtop never caught up.
+_MIN_NEW_ROWS = 512
+_MIN_NEW_STACKS = 64
+
 #: New user stacks waiting to be resolved between two reads of the sums, at most
 #: (`BpfSource._resolve_new_stacks`; past it, they are resolved with their rows).
 _NEW_STACKS_MAX = 65_536
@@ -581,7 +588,8 @@ class BpfSource:
         # Until the next sub-tick is due, as rows are resolved (`_sum_rows`): past
         # `deadline`, only symbols already read are used (`StackStore.user`).
         for tgid, sid in pending:
-            if done % 64 == 0 and (clock() >= self._next_subtick or self.frames.gave_up()):
+            if done % _MIN_NEW_STACKS == 0 and (
+                    self.frames.gave_up() or (done and clock() >= self._next_subtick)):
                 break
             # A process gone before its first sight keeps nothing here: its rows
             # are resolved as they are read (in the process it was forked from).
@@ -700,7 +708,7 @@ class BpfSource:
         rows = self._known
         accepts = self.targets.accepts
         comms = self._comms
-        new_keys = carried = 0
+        new_keys = carried = resolved = 0
         carries = self._carry_verdicts()
         for lo in range(0, len(keys), _STOP_CHECK_ROWS):
             # Asked once a chunk, not per row: once a stop came and its time to
@@ -710,7 +718,10 @@ class BpfSource:
             # (`_unresolved_row`). So the work of a sub-tick is bounded, and a
             # flood of new stacks neither stretches the intervals nor grows the
             # rows without end; a key left unresolved is tried again at its
-            # next drain. Long blocks' rows are always resolved.
+            # next drain. Behind, the first _MIN_NEW_ROWS new rows of a read
+            # are still resolved, wherever they are in it: the keys come in the
+            # map's order, and those left past a sub-tick's worth of carried
+            # rows were never reached. Long blocks' rows are always resolved.
             stopping = not event and self.frames.gave_up()
             behind = not event and not stopping and self._clock() >= self._next_subtick
             if lo:
@@ -747,10 +758,11 @@ class BpfSource:
                 if not (event or accepts(r[0], r[1])):
                     continue
                 new_keys += 1
-                if stopping or behind:
+                if stopping or (behind and resolved >= _MIN_NEW_ROWS):
                     if self._unresolved_row(key, r, seq, stopping) and behind:
                         self._interval.behind_rows += 1
                 else:
+                    resolved += 1
                     rows[key] = self._row(r, event, seq, self._rows.resolve(*r[:5], r[9],
                                                                             deadline))
         self.carried += carried
