@@ -1226,7 +1226,12 @@ def _many_stacks(tmp_path: Path, stacks: int, threads: int) -> subprocess.Popen[
                     str(binary), str(ROOT / "tests" / "workloads" / "many_stacks.c")], check=True)
     load = subprocess.Popen([str(binary), str(stacks), str(threads)], stdout=subprocess.PIPE,
                             text=True, start_new_session=True)
-    assert load.stdout is not None and "ready" in load.stdout.readline()
+    try:
+        assert load.stdout is not None and "ready" in load.stdout.readline()
+    except BaseException:
+        os.killpg(load.pid, signal.SIGKILL)
+        load.wait()
+        raise
     return load
 
 
@@ -1245,19 +1250,21 @@ def test_an_engine_always_behind_sums_the_rest_per_thread_and_still_catches_up(
     from offtop.bpf.engine import BpfSource, EngineConfig
 
     load = _many_stacks(tmp_path, 3000, 2)
-    src = BpfSource(EngineConfig(threshold_ns=10**9, subtick_s=1e-6, pids=(load.pid,)))
-    src.start()
     try:
-        stop = threading.Event()
-        first = src.next_snapshot(0.5, stop)
-        assert first is not None
-        snaps = [first]
-        while len(snaps) < 40 and snaps[-1].stats.behind_rows:
-            snap = src.next_snapshot(0.5, stop)
-            assert snap is not None
-            snaps.append(snap)
+        src = BpfSource(EngineConfig(threshold_ns=10**9, subtick_s=1e-6, pids=(load.pid,)))
+        src.start()
+        try:
+            stop = threading.Event()
+            first = src.next_snapshot(0.5, stop)
+            assert first is not None
+            snaps = [first]
+            while len(snaps) < 40 and snaps[-1].stats.behind_rows:
+                snap = src.next_snapshot(0.5, stop)
+                assert snap is not None
+                snaps.append(snap)
+        finally:
+            src.close()
     finally:
-        src.close()
         os.killpg(load.pid, signal.SIGKILL)
         load.wait()
     assert first.stats.behind_rows >= 1
