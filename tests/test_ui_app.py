@@ -25,10 +25,11 @@ from textual.content import Content
 from textual.pilot import Pilot
 from textual.widget import Widget
 
+import offtop.widgets.export_screen as export_screen_module
 import offtop.widgets.stacks_pane as stacks_pane_module
 from offtop.app import OfftopApp
 from offtop.app_keys import APP_BINDINGS
-from offtop.gc_pacing import GcPacing
+from offtop.gc_pacing import GcPacing, Parcel
 from offtop.model import (
     BlockedNow,
     Frame,
@@ -801,6 +802,43 @@ async def test_a_worker_that_merged_a_snapshot_does_not_keep_it(
         await shown(pilot, app, SNAPS[1].seq)
         await until(pilot, lambda: pane(app).index is not merged(), "the next index")
         await until(pilot, lambda: merged() is None, "the merged snapshot's index freed")
+
+
+class RecordedParcel(Parcel[Any]):
+    """A parcel that is remembered, to ask once its worker ran whether it was taken."""
+
+    made: list[RecordedParcel] = []
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        RecordedParcel.made.append(self)
+
+
+async def test_the_flame_and_export_workers_take_their_inputs_out(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # As the merge's worker (above): a finished worker keeps its arguments until
+    # the full GC pass, so the flame graph's rows and the export's view are
+    # handed over in a parcel the worker empties as it starts.
+    monkeypatch.setattr(stacks_pane_module, "Parcel", RecordedParcel)
+    monkeypatch.setattr(export_screen_module, "Parcel", RecordedParcel)
+    RecordedParcel.made = []
+    app = NotedApp(fake_source(), clock=FakeClock(), export_dir=tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await shown(pilot, app)
+        await pilot.press("f")
+        flame = app.query_one(FlameGraph)
+        await until(pilot, lambda: flame.flame_tree.total_ns > 0, "the flame tree")
+        await pilot.press("escape")
+        await pilot.pause()
+        flames = len(RecordedParcel.made)
+        await pilot.press("w")
+        await pilot.pause()
+        assert isinstance(app.screen, ChoiceScreen)
+        await pilot.press("enter")
+        # Each worker takes its parcel before it posts its result (the tree, the note).
+        await until(pilot, lambda: any("written to" in n for n in app.noted), "the file")
+    assert flames >= 1 and len(RecordedParcel.made) > flames
+    assert all(parcel.take() is None for parcel in RecordedParcel.made)
 
 
 async def test_idle_waits_hidden_with_a_key() -> None:
