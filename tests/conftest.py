@@ -74,6 +74,16 @@ def workload_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def build(tmp: Path, source: str, *flags: str) -> Path:
+    """tests/workloads/`source` compiled into `tmp` with `flags`."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "no C compiler: run the README's test command (it installs gcc)"
+    out = tmp / Path(source).stem
+    subprocess.run([cc, *flags, "-pthread", "-o", str(out), str(WORKLOAD_SRC.parent / source)],
+                   check=True)
+    return out
+
+
 @dataclass
 class Workload:
     """A running workload process and the thread it measures."""

@@ -36,7 +36,16 @@ from offtop.model import (
     Snapshot,
 )
 from offtop.symbols import Mapping, UserSymbols
-from tests.conftest import ROOT, offtop_json, process_ended, task_of, wait_until
+from tests.conftest import (
+    ROOT,
+    Workload,
+    build,
+    offtop_json,
+    process_ended,
+    start_workload,
+    task_of,
+    wait_until,
+)
 
 MS = 1_000_000
 
@@ -1216,23 +1225,12 @@ def test_a_stop_ends_the_engines_wait_at_once(bpf_available: None) -> None:
         src.close()
 
 
-def _many_stacks(tmp_path: Path, stacks: int, threads: int) -> subprocess.Popen[str]:
+def _many_stacks(tmp_path: Path, stacks: int, threads: int) -> Workload:
     """tests/workloads/many_stacks.c running: `threads` threads blocking in turn at
-    `stacks` distinct user stacks (ready once started)."""
-    cc = shutil.which("gcc") or shutil.which("cc")
-    assert cc, "no C compiler: run the README's test command (it installs gcc)"
-    binary = tmp_path / "many_stacks"
-    subprocess.run([cc, "-O1", "-fno-omit-frame-pointer", "-fno-optimize-sibling-calls", "-o",
-                    str(binary), str(ROOT / "tests" / "workloads" / "many_stacks.c")], check=True)
-    load = subprocess.Popen([str(binary), str(stacks), str(threads)], stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        assert load.stdout is not None and "ready" in load.stdout.readline()
-    except BaseException:
-        os.killpg(load.pid, signal.SIGKILL)
-        load.wait()
-        raise
-    return load
+    `stacks` distinct user stacks."""
+    binary = build(tmp_path, "many_stacks.c", "-O1", "-fno-omit-frame-pointer",
+                   "-fno-optimize-sibling-calls")
+    return start_workload(binary, str(stacks), str(threads))
 
 
 @pytest.mark.bpf
@@ -1265,8 +1263,7 @@ def test_an_engine_always_behind_sums_the_rest_per_thread_and_still_catches_up(
         finally:
             src.close()
     finally:
-        os.killpg(load.pid, signal.SIGKILL)
-        load.wait()
+        load.stop()
     assert first.stats.behind_rows >= 1
     behind = [st for st in first.stacks if st.user == (Frame(MARK_BEHIND),)]
     assert behind and all(not st.kernel for st in behind), behind
@@ -1300,8 +1297,7 @@ def test_signal_while_many_new_stacks_arrive_exits_at_once(bpf_available: None,
         assert live.proc.returncode == 0, live.stderr()
         assert "Traceback" not in live.stderr()
     finally:
-        os.killpg(load.pid, signal.SIGKILL)
-        load.wait()
+        load.stop()
 
 
 @pytest.mark.bpf

@@ -29,20 +29,11 @@ from typing import Any
 import pytest
 
 from offtop.model import MARK_PROCESS_GONE, MARK_TRUNCATED, MARK_USER_STACK_LOST, Snapshot
-from tests.conftest import ROOT, offtop_json, offtop_lines, remove_cgroup, wait_until
+from tests.conftest import ROOT, build, offtop_json, offtop_lines, remove_cgroup, wait_until
 
 MS = 1_000_000
-WORKLOADS = ROOT / "tests" / "workloads"
 
 pytestmark = [pytest.mark.bpf, pytest.mark.usefixtures("bpf_available")]
-
-
-def build(tmp: Path, source: str, *flags: str) -> Path:
-    cc = shutil.which("gcc") or shutil.which("cc")
-    assert cc, "no C compiler: run the README's test command (it installs gcc)"
-    out = tmp / Path(source).stem
-    subprocess.run([cc, *flags, "-pthread", "-o", str(out), str(WORKLOADS / source)], check=True)
-    return out
 
 
 @contextlib.contextmanager
