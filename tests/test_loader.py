@@ -41,7 +41,7 @@ from offtop.bpf.loader.artifact import (
 )
 from offtop.bpf.loader.cache import ArtifactCache, cache_key
 from offtop.bpf.loader.compiler import ConstantNotFound, artifact_from_module
-from offtop.bpf.loader.load import PLACEHOLDERS, split_constants
+from offtop.bpf.loader.load import COMPILE_FLAGS, PLACEHOLDERS, split_constants
 from offtop.bpf.maps import BpfMap, MapSpec
 from tests.conftest import wait_until
 
@@ -898,7 +898,7 @@ def test_user_strings_never_reach_the_compiled_text(monkeypatch: pytest.MonkeyPa
     with pytest.raises(EngineError, match="stopped here"):
         BpfSource(cfg).start()
     assert seen["text"] == resources.files("offtop.bpf").joinpath("offcpu.c").read_text()
-    assert seen["cflags"] == split_constants(cfg.cflags())[0]
+    assert seen["cflags"] == [*split_constants(cfg.cflags())[0], *COMPILE_FLAGS]
     blob = seen["text"] + "\n".join(seen["cflags"])
     assert hostile not in blob and str(os.getpid()) not in "\n".join(seen["cflags"])
 

@@ -21,7 +21,7 @@ import pytest
 from offtop.bpf import environment
 from offtop.bpf.engine import BpfSource, EngineConfig
 from offtop.bpf.loader import compiler
-from offtop.bpf.loader.load import split_constants
+from offtop.bpf.loader.load import COMPILE_FLAGS, split_constants
 from tests.conftest import REQUIRE_BPF, ROOT
 
 PACKAGE = ROOT / "offtop"
@@ -81,8 +81,9 @@ def test_user_strings_never_reach_the_compiled_text(monkeypatch: pytest.MonkeyPa
     with pytest.raises(_Captured):
         BpfSource(cfg).start()
     assert seen["text"] == resources.files("offtop.bpf").joinpath("offcpu.c").read_text()
-    assert seen["cflags"] == split_constants(cfg.cflags())[0]
-    assert all(CFLAG.match(f) for f in seen["cflags"])
+    settings = split_constants(cfg.cflags())[0]
+    assert seen["cflags"] == [*settings, *COMPILE_FLAGS]
+    assert all(CFLAG.match(f) for f in settings)
     # The text is offcpu.c itself; the flags and what goes with them hold no user string
     # and not offtop's own pid (a placeholder: one compiled program serves every run).
     blob = "\n".join(seen["cflags"]) + repr(seen["kw"]) + repr(seen["placeholders"])

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from offtop.bpf import environment
 from offtop.bpf.config import EngineConfig, EngineError
-from offtop.bpf.loader.cache import ArtifactCache, cache_key
+from offtop.bpf.loader.cache import ArtifactCache
 from offtop.bpf.loader.kernel import LoadFailed
-from offtop.bpf.loader.load import load_object, split_constants
+from offtop.bpf.loader.load import artifact_key, load_object
 
 #: The command lines whose programs setup compiles (each program serves any
 #: pids or cgroup: only whether there is a filter is compiled in).
@@ -63,8 +63,7 @@ def precompile(config: EngineConfig, cache: ArtifactCache) -> str:
     if tracefs is None:
         raise EngineError("tracefs is not mounted")
     source = offcpu_source()
-    build_flags, _ = split_constants(config.cflags())
-    key = cache_key(source, build_flags, tracefs)
+    key = artifact_key(source, config.cflags(), tracefs)
     if cache.get(key).artifact is not None:
         return ""
     t0 = time.monotonic()
