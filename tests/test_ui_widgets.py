@@ -43,6 +43,7 @@ from offtop.widgets.line_table import (
     KeyedRow,
     KeyedRows,
     LineTable,
+    PlainLru,
     StylePool,
     layout_columns,
 )
@@ -992,3 +993,50 @@ def test_a_style_pool_packs_segments_into_tuples_the_gc_lets_go() -> None:
     assert many.full
     many.clear()
     assert not many.full and many.unpack(many.pack(segments)) == segments
+
+
+def test_a_plain_lru_forgets_the_entry_used_least_lately() -> None:
+    lru: PlainLru[str, int] = PlainLru(3)
+    for i, key in enumerate("abc"):
+        lru.set(key, i)
+    assert lru.get("a") == 0  # now the most recent: "b" goes first
+    lru.set("d", 3)
+    assert (lru.get("b"), lru.get("c"), lru.get("a"), lru.get("d")) == (None, 2, 0, 3)
+    lru.set("c", 20)  # a new value for a key kept: no room taken, and now the most recent
+    lru.set("e", 4)
+    assert len(lru) == 3 and lru.get("a") is None and lru.get("c") == 20
+    lru.clear()
+    assert len(lru) == 0 and lru.get("c") is None
+
+
+def _tracked_in(container: object) -> list[object]:
+    """What `container` refers to that the cyclic GC tracks."""
+    import gc
+
+    return [o for o in gc.get_referents(container)
+            if gc.is_tracked(o) and o is not type(container)]
+
+
+async def test_a_tables_caches_are_one_object_to_the_gc() -> None:
+    """Drawn cells and lines are cached with nothing the GC must walk per entry
+    (textual's LRUCache had a list per entry), so that a full pass walks a cache
+    of cells as one object."""
+    import gc
+
+    app = TableApp(NumberTable())
+    async with app.run_test(size=(40, 30)) as pilot:
+        table = app.table
+        table.sync_rows([(f"k{i}", (f"n{i}", i if i % 3 else i * 0.5)) for i in range(25)])
+        await pilot.pause()
+        assert len(screen_lines(table)) == 30
+        cells, lines = table._cells, table._lines
+        assert len(cells) >= 40 and len(lines) >= 25
+        gc.collect()
+        gc.collect()
+        entries = cells._entries
+        assert not [k for k in entries if gc.is_tracked(k)]
+        assert not [v for v in entries.values() if gc.is_tracked(v)]
+        # The cache holds its one dict; nothing per entry.
+        assert _tracked_in(cells) == [entries]
+        # A line's key holds its row's key and style (tracked): its value does not.
+        assert not [v for v in lines._entries.values() if gc.is_tracked(v)]

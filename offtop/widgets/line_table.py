@@ -19,7 +19,9 @@ cyclic GC tracks (its seven caches), a Segment holds a Style, so each is
 walked by every full GC pass, and the caches were most of what the TUI
 holds (~85,000 objects at 2,000 tasks / 20,000 stacks). Tuples of strings
 and ints are untracked by the GC once it has seen them. A line is made a
-Strip again when drawn (a few microseconds).
+Strip again when drawn (a few microseconds). The caches themselves are
+`PlainLru`s: no object of their own per entry, so that a full pass walks
+a cache of cells as one object.
 
 The cursor behaves as htop's: across refreshes and re-sorts it stays at its
 row *position* (the row under it may change), unless `follow` is set, when
@@ -33,6 +35,7 @@ and cells are `Text`, never markup.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -44,7 +47,6 @@ from rich.style import Style
 from rich.text import Text
 from textual import events
 from textual.binding import Binding, BindingType
-from textual.cache import LRUCache
 from textual.geometry import Region, Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
@@ -64,6 +66,49 @@ CellLines = tuple[tuple[Segment, ...], ...]
 #: Segments as a cache holds them (`StylePool.pack`): plain `(text, style
 #: number)` tuples, a Segment itself only for a control segment.
 Packed = tuple["tuple[str, int] | Segment", ...]
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class PlainLru(Generic[K, V]):
+    """At most `maxsize` entries; the one used least lately goes first.
+
+    One `OrderedDict` and nothing per entry. textual.cache.LRUCache keeps each
+    entry in a list of its own (`[prev, next, key, value]`), which the cyclic
+    GC tracks and walks at every full pass: ~11,000 of them in the tables at
+    2,000 tasks / 20,000 stacks (bench/bench_ui.py), a fifth of all it walked.
+    Keys and values of strings, numbers and tuples of them are untracked by
+    the GC once it has seen them.
+    """
+
+    __slots__ = ("_entries", "maxsize")
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._entries: OrderedDict[K, V] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: K) -> V | None:
+        """The value kept for `key` (now the most recently used), None if none."""
+        entries = self._entries
+        value = entries.get(key)
+        if value is not None:
+            entries.move_to_end(key)
+        return value
+
+    def set(self, key: K, value: V) -> None:
+        """Keep `value` for `key`, forgetting the least recently used past `maxsize`."""
+        entries = self._entries
+        entries[key] = value
+        entries.move_to_end(key)
+        if len(entries) > self.maxsize:
+            entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
 
 
 class StylePool:
@@ -442,8 +487,8 @@ class LineTable(ScrollView, Generic[KeyT], can_focus=True):
         self._layouts: dict[int, ColumnLayout] = {}
         # Both hold packed segments (`StylePool`): lines with their cell length.
         self._styles = StylePool()
-        self._cells: LRUCache[tuple[object, ...], tuple[Packed, ...]] = LRUCache(4096)
-        self._lines: LRUCache[tuple[object, ...], tuple[Packed, int]] = LRUCache(1024)
+        self._cells: PlainLru[tuple[object, ...], tuple[Packed, ...]] = PlainLru(4096)
+        self._lines: PlainLru[tuple[object, ...], tuple[Packed, int]] = PlainLru(1024)
         self._pass: _Pass | None = None
         self._table_styles: _Styles | None = None
 
