@@ -1038,48 +1038,42 @@ class ChainInfo:
     between threads: a fact worked out twice at once comes out the same.
     """
 
-    __slots__ = ("_blocked_in", "_idle", "chain", "kernel", "user")
+    __slots__ = ("_blocked_in", "_idle", "_kernel", "_user", "chain")
 
-    def __init__(self, chain: int, kernel: tuple[Frame, ...], user: tuple[Frame, ...]) -> None:
+    def __init__(self, chain: int, kernel: Sequence[Frame], user: Sequence[Frame]) -> None:
         self.chain = chain
         """Equal for equal frames (by name, kernel and user apart)."""
-        self.kernel = kernel
-        """The frame tuples these facts were worked out for (see ChainCatalog)."""
-        self.user = user
+        self._kernel = kernel
+        self._user = user
         self._idle: Any = _UNKNOWN
         self._blocked_in: Any = _UNKNOWN
-
-    def of(self, kernel: tuple[Frame, ...], user: tuple[Frame, ...]) -> ChainInfo:
-        """The same chain's facts, for other tuples of the same frames (what is
-        known of it already, copied)."""
-        twin = ChainInfo(self.chain, kernel, user)
-        twin._idle, twin._blocked_in = self._idle, self._blocked_in
-        return twin
 
     @property
     def idle(self) -> bool:
         """`is_idle_wait`."""
         if self._idle is _UNKNOWN:
-            self._idle = is_idle_wait(self.kernel, self.user)
+            self._idle = is_idle_wait(self._kernel, self._user)
         return bool(self._idle)
 
     @property
     def blocked_in(self) -> Frame | None:
         """`blocked_in`."""
         if self._blocked_in is _UNKNOWN:
-            self._blocked_in = blocked_in(self.kernel, self.user)
+            self._blocked_in = blocked_in(self._kernel, self._user)
         return cast("Frame | None", self._blocked_in)
+
+
+#: A chain's facts with the frame tuples they were worked out for (held: see ChainCatalog).
+_ChainEntry = tuple[tuple[Frame, ...], tuple[Frame, ...], ChainInfo]
 
 
 class ChainCatalog:
     """Facts about callchains, each worked out once per distinct chain.
 
     The engine hands out the same frame tuples for the same stack id interval
-    after interval, so facts are kept by the tuples' identity, each in a
-    `ChainInfo` holding those tuples (so an identity is never reused while
-    kept; one object an entry, for the GC to walk and for memory); a chain
-    seen in new tuples (a replay, a re-symbolized stack) is found again by its
-    names, its facts copied for them.
+    after interval, so facts are kept by the tuples' identity (the tuples are
+    held too, so an identity is never reused while kept); a chain seen in new
+    tuples (a replay, a re-symbolized stack) is found again by its names.
     Kept by generation: what was not asked for since the last
     `next_generation()` is forgotten at the next one (with process churn, the
     chains of the processes gone would pile up: ~130 a second on a busy
@@ -1093,7 +1087,7 @@ class ChainCatalog:
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self._max = max_entries
-        self._by_id: Recent[tuple[int, int], ChainInfo] = Recent(max_entries)
+        self._by_id: Recent[tuple[int, int], _ChainEntry] = Recent(max_entries)
         self._by_names: Recent[tuple[tuple[str, ...], tuple[str, ...]], ChainInfo] = \
             Recent(max_entries)
         self._texts: dict[int, str] = {}
@@ -1121,8 +1115,8 @@ class ChainCatalog:
         """The facts of one chain."""
         key = (id(kernel), id(user))
         hit = self._by_id.get(key)
-        if hit is not None and hit.kernel is kernel and hit.user is user:
-            return hit
+        if hit is not None and hit[0] is kernel and hit[1] is user:
+            return hit[2]
         if len(self._by_id) >= self._max:
             self._by_id.clear()
             self._by_names.clear()
@@ -1133,9 +1127,7 @@ class ChainCatalog:
             self._next += 1
             info = ChainInfo(self._next, kernel, user)
             self._by_names.put(names, info)
-        elif info.kernel is not kernel or info.user is not user:
-            info = info.of(kernel, user)
-        self._by_id.put(key, info)
+        self._by_id.put(key, (kernel, user, info))
         return info
 
     def infos(self, stacks: Sequence[StackRow]) -> list[ChainInfo]:
@@ -1144,7 +1136,7 @@ class ChainCatalog:
         kernels = [s.kernel for s in stacks]
         users = [s.user for s in stacks]
         found = self._by_id.get_many(list(zip(map(id, kernels), map(id, users), strict=True)))
-        return [hit if hit is not None and hit.kernel is k and hit.user is u else self.info(k, u)
+        return [hit[2] if hit is not None and hit[0] is k and hit[1] is u else self.info(k, u)
                 for hit, k, u in zip(found, kernels, users, strict=True)]
 
     def text(self, stack: StackRow) -> str:

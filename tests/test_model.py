@@ -10,7 +10,6 @@ from typing import Any
 from offtop.model import (
     Aggregator,
     ChainCatalog,
-    ChainInfo,
     Frame,
     RowKey,
     Sample,
@@ -215,29 +214,6 @@ def test_the_catalog_knows_a_chain_by_identity_and_by_name() -> None:
     small.info(SLEEP, user)
     assert small.info(FUTEX, user).chain not in (first,)
     assert small.info(kf("x"), ()).chain > first
-
-
-def test_the_catalog_keeps_one_object_a_chain() -> None:
-    """A chain kept for the tuples it was first seen in is its ChainInfo alone
-    (the GC walks, and memory holds, one object an entry); new tuples of the
-    same frames get the same number and what is known of it, holding them."""
-    import gc
-
-    cat = ChainCatalog()
-    chains = [(kf(f"k{i}"), uf(f"u{i}", "main")) for i in range(1_000)]
-    infos = [cat.info(k, u) for k, u in chains]
-    # No wrapper an entry (it held the tuples and the ChainInfo: 1,000 of them).
-    assert not [o for o in gc.get_objects()
-                if type(o) is tuple and any(type(x) is ChainInfo for x in o)]
-    assert all(i.kernel is k and i.user is u for i, (k, u) in zip(infos, chains, strict=True))
-    user = uf("epoll_wait", "main")
-    a = cat.info(EPOLL, user)
-    assert a.idle
-    again = tuple(list(user))
-    b = cat.info(EPOLL, again)
-    assert b.chain == a.chain and b.kernel is EPOLL and b.user is again
-    assert b.idle and b.blocked_in == a.blocked_in
-    assert cat.info(EPOLL, again) is b and cat.info(EPOLL, user) is a
 
 
 def test_the_catalog_forgets_chains_not_asked_for_over_two_generations() -> None:
