@@ -44,8 +44,11 @@ from offtop.source import ReplaySource, SnapshotSource
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `offtop` console entry point."""
-    tune_malloc()  # before any thread of offtop's starts
-    streams = StdStreams.claim()
+    try:
+        tune_malloc()  # before any thread of offtop's starts
+        streams = StdStreams.claim()
+    except KeyboardInterrupt:  # Ctrl-C at once (libc is looked up with ldconfig): nothing began
+        return EXIT_OK
 
     def fail(msg: str, code: int) -> int:
         streams.report(msg)
