@@ -338,3 +338,22 @@ def test_relative_cgroup_path_works(bpf_available: None, v2_root: Path, make_cgr
     assert task_of(last, inside.tid) is not None, last["tasks"]
     assert task_of(last, outside.tid) is None
     assert {t["pid"] for t in last["tasks"]} <= {inside.pid}
+
+
+def test_a_ctrl_c_before_the_streams_are_claimed_ends_offtop_quietly(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first thing `main` does (tuning malloc, which finds libc by running
+    ldconfig) can meet a Ctrl-C: status 0, nothing printed (it was a traceback:
+    a fresh clone's test_batch_signal_during_startup_exits_at_once[0.1])."""
+    from offtop import cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "tune_malloc", interrupted)
+    try:
+        status = cli.main(["--batch"])
+    except KeyboardInterrupt:  # would end the test session itself
+        pytest.fail("the Ctrl-C escaped main()")
+    assert status == 0
+    assert capsys.readouterr() == ("", "")
