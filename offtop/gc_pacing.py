@@ -15,16 +15,22 @@ full pass itself every `every` snapshots, and at least every `max_s`
 seconds (`due`), at a moment of its choosing (after output, after a
 redraw). Cyclic garbage, if any, is then freed within that time.
 
-The young generations are kept ten times longer than Python's default
-before what survives them is promoted (`YOUNG_PASSES`). Textual's drawn
-lines are reference cycles (a strip divided into one piece caches itself):
-a redraw makes thousands, dead as soon as the frame is written. With
-Python's default (a middle pass every 10 young ones, ~7,000 allocations)
-most of them were still alive at a middle pass within the redraw that made
-them, so were promoted and waited, dead, for the next full pass: at 2,000
-tasks and 20,000 stacks (bench/bench_ui.py), ~225,000 objects, most of that
-pass's time. Kept young longer, most die young and the middle passes free
-them; each of those walks at most ~70,000 objects.
+The young generations are also taken longer than Python's defaults. Textual's
+drawn lines are reference cycles (a strip divided into one piece caches
+itself; each strip is ~15 objects the GC tracks, seven of them its caches): a
+redraw makes thousands, dead as soon as the frame is written. Whatever is
+alive at a young pass moves to the middle generation, and whatever is alive
+at a middle pass to the oldest, where it waits, dead, for the next full pass.
+With Python's default (a young pass every 700 net allocations, a middle one
+every 10 young ones) most of a redraw's lines were caught alive in the very
+redraw that made them and promoted: at 2,000 tasks and 20,000 stacks
+(bench/bench_ui.py), ~225,000 objects, most of the full pass's time. So a young
+pass comes every `YOUNG_OBJECTS` (20,000) net allocations, more than a redraw's
+lines and work: a redraw's lines are mostly dead by the next young pass, which
+frees them, and a young pass walks at most that many objects (a few ms). A
+middle pass comes every `YOUNG_PASSES` (4) young ones: the oldest generation
+takes in a screen's lines a few times a snapshot, not every redraw's
+(bench/README.md, "Young passes of 20,000 objects").
 
 Batch mode draws nothing: it makes no such cycles, and turns the young and
 middle passes off too (`young=False`). At the busy server (bench/README.md)
@@ -55,8 +61,11 @@ class GcPacing:
 
     #: The third GC threshold that stops Python's own full passes.
     NO_FULL_GC = 1 << 30
+    #: The first GC threshold while active (`young`): net allocations between two
+    #: young passes.
+    YOUNG_OBJECTS = 20_000
     #: The second GC threshold while active: young passes between two middle ones.
-    YOUNG_PASSES = 100
+    YOUNG_PASSES = 4
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, *, every: int = 30,
                  max_s: float = 60.0, young: bool = True) -> None:
@@ -88,10 +97,11 @@ class GcPacing:
     def full_pass(self) -> None:
         """A full pass now; the first also freezes what is alive and stops Python's own."""
         if self._saved is None:
-            self._saved = gen0, _, _ = gc.get_threshold()
+            self._saved = gc.get_threshold()
             freeze_alive()
             # A first threshold of 0 turns Python's own passes off, all of them.
-            gc.set_threshold(gen0 if self.young else 0, self.YOUNG_PASSES, self.NO_FULL_GC)
+            gc.set_threshold(self.YOUNG_OBJECTS if self.young else 0, self.YOUNG_PASSES,
+                             self.NO_FULL_GC)
         else:
             gc.collect()
         self.passes += 1

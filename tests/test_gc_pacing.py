@@ -33,7 +33,7 @@ def test_full_passes_at_the_pace_given_and_python_s_own_stopped() -> None:
     assert not p.active and not p.overdue()
     p.full_pass()  # the first: freezes what is alive, stops Python's own full passes
     assert p.active and gc.get_freeze_count() > 0
-    assert gc.get_threshold() == (before[0], GcPacing.YOUNG_PASSES, GcPacing.NO_FULL_GC)
+    assert gc.get_threshold() == (GcPacing.YOUNG_OBJECTS, GcPacing.YOUNG_PASSES, GcPacing.NO_FULL_GC)
     now[0] = 9.9
     assert not p.overdue()
     now[0] = 10.0
@@ -151,7 +151,7 @@ def _full_pass_garbage(burst: int, alive_across: int) -> int:
     work = [[i] for i in range(alive_across)]
     del lines, work
     for _ in range(20):  # the redraws and ticks until the full pass
-        work = [[i] for i in range(alive_across)]
+        work = [[i] for i in range(2 * alive_across)]
         del work
     gc.callbacks.append(count)
     try:
@@ -173,6 +173,25 @@ def test_a_redraw_s_cycles_die_young_once_the_passes_are_the_loop_s() -> None:
     p.full_pass()
     try:
         assert _full_pass_garbage(5_000, 20_000) <= 500
+    finally:
+        p.restore()
+
+
+def test_a_redraw_s_lines_are_not_caught_alive_by_a_young_pass() -> None:
+    # A redraw: its lines (cycles) alive while it allocates its work, then
+    # all dead. With Python's default first threshold (700) young passes ran
+    # inside it and moved the lines to the middle generation; now none runs,
+    # and the next young pass frees them where they are.
+    p = GcPacing()
+    p.full_pass()
+    try:
+        gc.collect(0)
+        young_passes = gc.get_count()[1]
+        lines = [_Cycle() for _ in range(2_000)]  # 4,000 objects tracked
+        work = [[i] for i in range(10_000)]
+        del lines, work
+        assert gc.get_count()[1] == young_passes  # no young pass ran meanwhile
+        assert gc.collect(0) >= 4_000  # the young pass frees every line
     finally:
         p.restore()
 
