@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -74,6 +75,28 @@ def test_sleeper_is_off_cpu_in_its_function(workloads: Any) -> None:
     assert "sleep_thread" in st["user"]
     assert "do_nanosleep" in st["kernel"], st["kernel"]
     assert not any(f.startswith(("bpf_prog_", "perf_trace_")) for f in st["kernel"])
+
+
+def test_without_stacks_debian_s_python_is_counted_whole_with_no_frames() -> None:
+    # --no-stacks is a program of its own (offcpu.c compiled with neither stack):
+    # loaded by the kernel, it counts Debian's own python3, sleeping 50 ms at a
+    # time, to within a sleep of each interval, and takes no stack.
+    p = subprocess.Popen(["/usr/bin/python3", "-c", "import time\nwhile True: time.sleep(0.05)"])
+    try:
+        snaps = steady(offtop_json("--no-stacks", "-p", str(p.pid), count=4))
+    finally:
+        p.kill()
+        p.wait()
+    assert snaps
+    for s in snaps:
+        t = task_of(s, p.pid)
+        assert t is not None, s["tasks"]
+        wall_ns = s["interval_s"] * 1e9
+        assert 0.9 * wall_ns <= t["state_ns"]["S"] <= wall_ns + 52 * MS, (t, wall_ns)
+        assert 15 <= t["count"] <= 21, t
+        rows = [r for r in s["stacks"] if r["tid"] == p.pid]
+        assert rows and all(r["kernel"] == [] and r["user"] == [] for r in rows), rows
+        assert s["stats"]["stacks_used"] == 0
 
 
 def test_vfork_parent_waits_in_d_state(workloads: Any) -> None:
