@@ -231,3 +231,32 @@ def test_stacks_the_probe_sent_whole_are_read_once_without_the_map() -> None:
     s.offer_user([(sid, packed) for sid in range(10, 20)])
     assert s.user(100, 7, 19)[0].name == "u401007"  # the newest are kept
     assert s.user(100, 7, 10)[0].name == MARK_USER_STACK_LOST  # the oldest went
+
+
+class FakeProgramSymbols:
+    """One program's functions wherever it is loaded: named by the address's offset."""
+
+    def resolve_stack(self, pid: int, addrs: Any, *, deadline: Any = None,
+                      start: Any = None) -> tuple[Frame, ...]:
+        return tuple(Frame(f"f{a & 0xFFFFFF:x}", "prog") for a in addrs)
+
+
+def test_the_processes_of_one_program_share_one_tuple_for_an_equal_stack() -> None:
+    """Each process of a program loaded elsewhere (ASLR) has its stacks under ids
+    of its own, which resolve to equal frames: one tuple is kept for all, so that
+    a pre-fork server's workers do not each hold (and each GC pass walk) a copy."""
+    maps = FakeStackMaps(range(0), range(0))
+    for sid, base in ((10, 0x5555_0000_0000), (11, 0x5666_0000_0000), (12, 0x5777_0000_0000)):
+        maps.stacks[("u", sid)] = (base + 0x401000, base + 0x402000)
+    alive = {100: 7, 200: 9, 300: 3}
+    s = StackStore(maps, kernel_symbols=None, user_symbols=FakeProgramSymbols(),  # type: ignore[arg-type]
+                   capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64, start_time=alive.get)
+    s.next_interval(1)
+    first, second = s.user(100, 7, 10), s.user(200, 9, 11)
+    assert first == (Frame("f401000", "prog"), Frame("f402000", "prog"))
+    assert second is first
+    del alive[100]
+    s.next_interval(5)
+    s.trim()  # a sweep: process 100's frames go, the one tuple stays with 200's
+    assert s.user(200, 9, 11) is first
+    assert s.user(300, 3, 12) is first

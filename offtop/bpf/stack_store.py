@@ -110,6 +110,9 @@ class StackStore:
         # at once, without a walk over every stack cached.
         self._user: dict[tuple[int, int], dict[int, tuple[Frame, ...]]] = {}
         self._holders: dict[int, int] = {}  # user id -> processes caching frames for it
+        # One tuple for each distinct user stack cached: the processes of one program
+        # resolve equal stacks under ids of their own (rebuilt at each sweep).
+        self._equal: dict[tuple[Frame, ...], tuple[Frame, ...]] = {}
         self._retry: dict[tuple[int, int, int], int] = {}  # (pid, start, id) -> interval to look again
         self._dead_ids: set[int] = set()  # user ids of processes gone at the last sweep
         self._fresh: dict[int, bytes] = {}  # user id -> its frames, packed, as the probe sent them
@@ -311,6 +314,8 @@ class StackStore:
         # being read, and a churn of processes gone before their first sight,
         # named in the process they were forked from (offtop.bpf.lineage),
         # would fill the cache between two sweeps.
+        if start:
+            frames = self._equal.setdefault(frames, frames)
         if start and complete:
             self._keep(pid, start, sid, frames)
         elif start:
@@ -422,6 +427,7 @@ class StackStore:
             self.generation += 1
             self._kernel.clear()
             self._user.clear()
+            self._equal.clear()
             self._holders.clear()
             self._retry.clear()
 
@@ -450,6 +456,7 @@ class StackStore:
         if gone and self._retry:
             dropped = set(gone)
             self._retry = {k: v for k, v in self._retry.items() if (k[0], k[1]) not in dropped}
+        self._equal = {f: f for cached in self._user.values() for f in cached.values()}
 
     def _free_user_ids(self, ids: set[int]) -> None:
         """Delete user stack ids from the probe's map. Its LRU would make room
