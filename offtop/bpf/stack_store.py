@@ -315,22 +315,23 @@ class StackStore:
         # named in the process they were forked from (offtop.bpf.lineage),
         # would fill the cache between two sweeps.
         if start:
-            frames = self._equal.setdefault(frames, frames)
-        if start and complete:
-            self._keep(pid, start, sid, frames)
-        elif start:
-            # A miss may resolve later (a library not read yet, a time
-            # budget): look again in a few intervals, not at every use. (A
-            # process already gone will not get better: not kept.)
-            self._keep(pid, start, sid, frames)
-            self._retry[(pid, start, sid)] = self._seq + self.RETRY_INTERVALS
+            frames = self._keep(pid, start, sid, frames)
+            if not complete:
+                # A miss may resolve later (a library not read yet, a time
+                # budget): look again in a few intervals, not at every use. (A
+                # process already gone will not get better: not kept.)
+                self._retry[(pid, start, sid)] = self._seq + self.RETRY_INTERVALS
         return frames
 
-    def _keep(self, pid: int, start: int, sid: int, frames: tuple[Frame, ...]) -> None:
+    def _keep(self, pid: int, start: int, sid: int, frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
+        """Cache `frames` as process (`pid`, `start`)'s stack `sid`; the tuple kept
+        (an equal one already cached, if there is one)."""
+        frames = self._equal.setdefault(frames, frames)
         cached = self._user.setdefault((pid, start), {})
         if sid not in cached:
             self._holders[sid] = self._holders.get(sid, 0) + 1
         cached[sid] = frames
+        return frames
 
     def _drop(self, pid: int, start: int, sid: int) -> None:
         """Forget one process's frames of `sid` (kept in the probe's map)."""
