@@ -151,6 +151,8 @@ def _full_pass_garbage(burst: int, alive_across: int) -> int:
     work = [[i] for i in range(alive_across)]
     del lines, work
     for _ in range(20):  # the redraws and ticks until the full pass
+        # Each past a young threshold, whichever is set: young and middle passes
+        # run meanwhile, as they would between two full passes.
         work = [[i] for i in range(2 * alive_across)]
         del work
     gc.callbacks.append(count)
