@@ -260,3 +260,54 @@ def test_the_processes_of_one_program_share_one_tuple_for_an_equal_stack() -> No
     s.trim()  # a sweep: process 100's frames go, the one tuple stays with 200's
     assert s.user(200, 9, 11) is first
     assert s.user(300, 3, 12) is first
+
+
+class FakeSlowSymbols:
+    """A binary whose symbols are not loaded until `loaded` is set (as a time budget
+    leaves them): its frames read `prog+0x…` until then."""
+
+    def __init__(self) -> None:
+        self.loaded = False
+        self.calls = 0
+
+    def resolve_stack(self, pid: int, addrs: Any, *, deadline: Any = None,
+                      start: Any = None) -> tuple[Frame, ...]:
+        self.calls += 1
+        if self.loaded:
+            return tuple(Frame(f"f{a:x}", "prog") for a in addrs)
+        return tuple(Frame(f"prog+0x{a:x}", "prog") for a in addrs)
+
+
+def slow_store() -> tuple[FakeSlowSymbols, StackStore]:
+    maps = FakeStackMaps(range(0), range(2))
+    syms = FakeSlowSymbols()
+    s = StackStore(maps, kernel_symbols=None, user_symbols=syms,  # type: ignore[arg-type]
+                   capacity={"k": 8, "u": 8}, kernel_depth=64, user_depth=64,
+                   start_time={100: 7}.get)
+    s.next_interval(1)
+    return syms, s
+
+
+def test_a_stack_left_unnamed_as_its_time_ran_out_is_resolved_again_when_asked() -> None:
+    """A stack resolved without names is looked at again only when its retry is due
+    (not at every use), or at once through `user_again` if its resolving ran out
+    of time, as the long blocks it cut short ask (offtop.bpf.cut_short)."""
+    syms, s = slow_store()
+    assert s.user(100, 7, 0, deadline=0.0)[0].unknown  # out of time from the start
+    assert s.short_of_time(100, 7, 0)
+    syms.loaded = True
+    assert s.user(100, 7, 0)[0].unknown and syms.calls == 1  # the cached frames
+    assert s.user_again(100, 7, 0, deadline=1e18) == ((Frame("f401000", "prog"),), False)
+    assert syms.calls == 2 and not s.short_of_time(100, 7, 0)
+    assert s.user_again(100, 7, 0, deadline=1e18) == ((Frame("f401000", "prog"),), False)
+    assert syms.calls == 2  # complete now: cached, not resolved again
+
+
+def test_a_stack_left_unnamed_in_time_is_not_resolved_again_at_once() -> None:
+    """Frames unnamed with time left (a stripped binary's) would be unnamed again."""
+    syms, s = slow_store()
+    unnamed = s.user(100, 7, 1, deadline=1e18)
+    assert unnamed[0].unknown and not s.short_of_time(100, 7, 1)
+    syms.loaded = True
+    assert s.user_again(100, 7, 1, deadline=1e18) == (unnamed, False)
+    assert syms.calls == 1

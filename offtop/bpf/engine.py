@@ -31,6 +31,7 @@ from offtop.bpf.blocked import BlockedNowReader
 from offtop.bpf.budget import SelfCost
 from offtop.bpf.compiler_memory import release_compiler_memory, trim_heap
 from offtop.bpf.config import EngineConfig, EngineError
+from offtop.bpf.cut_short import CutShort
 from offtop.bpf.decode import (
     EVENT_STRUCT,
     ST_BEFORE_START,
@@ -226,6 +227,8 @@ class BpfSource:
         self._durations: list[int] = []  # a sample of this sub-tick's event durations
         self._subtick_events = 0
         self._interval = _Interval(long_blocks=deque(maxlen=config.long_blocks_max))
+        # Its long blocks whose user frames the symbol budget cut short.
+        self._cut_short = CutShort(self._user_again, clock)
         # The probe's rows by raw key (ids, not frames), summed over the interval
         # (those whose `seq` is the interval's; the others are last interval's,
         # kept to be carried: see _Row). A key is resolved the first time it is
@@ -634,6 +637,8 @@ class BpfSource:
         if self.frames.python is not None:
             self.frames.python.sample(self._blocked_record)
         self._resolve_long_blocks(deadline)
+        if not self.frames.gave_up():
+            self._cut_short.retry(self._interval.long_blocks, deadline)
         if drained is None:
             self._resolve_new_stacks(deadline)
         else:
@@ -689,13 +694,32 @@ class BpfSource:
                 kernel, user, before = self.frames.frames_of(tgid, tid, st, us, ks, deadline,
                                                        ts=end_ns - delta)
                 wt, wtid, wus, wks, what, _pad, wcomm = ev[10:]
-                iv.long_blocks.append(LongBlock(
+                block = LongBlock(
                     time=end_ns / 1e9 + wall, pid=tgid, tid=tid, comm=decode_comm(comm),
                     state=state_name(st), duration_ns=delta, kernel=kernel, user=user,
                     cgroup_id=cg, before_start=before,
                     waker=self._wakers.waker((wt, wtid, wus, wks, what, wcomm)),
-                ))
+                )
+                iv.long_blocks.append(block)
+                if any(f.unknown for f in user):
+                    self._note_cut_short(block, us)
             self._event_tail.clear()
+
+    def _note_cut_short(self, block: LongBlock, sid: int) -> None:
+        """`block`'s user frames lack names: resolved again at the next sub-ticks if
+        their resolving ran out of time, they are the stack store's (not an
+        unwinder's, nor merged with Python frames) and the process lives
+        (offtop.bpf.cut_short)."""
+        stacks = self.frames.stacks
+        start = self.frames.start_if_alive(block.pid)
+        if (stacks is not None and start and stacks.short_of_time(block.pid, start, sid)
+                and stacks.kept_user(block.pid, start, sid) is block.user):
+            self._cut_short.note(block, start, sid)
+
+    def _user_again(self, pid: int, start: int, sid: int, deadline: float
+                    ) -> tuple[tuple[Frame, ...], bool]:
+        assert self.frames.stacks is not None
+        return self.frames.stacks.user_again(pid, start, sid, deadline=deadline)
 
     def _sum_rows(self, keys: list[bytes], sums: list[RawSums], row_of: Callable[[int], RawRow],
                   event: bool, deadline: float, seq: int) -> int:
@@ -919,6 +943,7 @@ class BpfSource:
         self._lost_seen = lost_total
         iv = self._interval
         self._interval = _Interval(long_blocks=deque(maxlen=self.config.long_blocks_max))
+        self._cut_short.clear()
         seq = self._seq
         # This interval's rows; the others were not seen in it and are dropped.
         rows = self._known = {k: r for k, r in self._known.items() if r.seq == seq}

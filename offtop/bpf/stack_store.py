@@ -114,6 +114,8 @@ class StackStore:
         # resolve equal stacks under ids of their own (rebuilt at each sweep).
         self._equal: dict[tuple[Frame, ...], tuple[Frame, ...]] = {}
         self._retry: dict[tuple[int, int, int], int] = {}  # (pid, start, id) -> interval to look again
+        # Of those, the ones whose resolving ran out of time (`user_again`).
+        self._short: set[tuple[int, int, int]] = set()
         self._dead_ids: set[int] = set()  # user ids of processes gone at the last sweep
         self._fresh: dict[int, bytes] = {}  # user id -> its frames, packed, as the probe sent them
         self._copies: dict[int, StackCopy] = {}  # user id -> its stack's top (offer_copies)
@@ -269,6 +271,7 @@ class StackStore:
             if retry is None or self._seq < retry:
                 return frames
             del self._retry[key]
+            self._short.discard(key)
         raw = self._fresh.pop(sid, None)
         addrs = self._maps.stack("u", sid) if raw is None else record_addresses(raw)
         if addrs is None:
@@ -301,6 +304,9 @@ class StackStore:
         if deadline is not None and time.monotonic() > deadline:
             self.stats.symbol_deadline_misses += 1
         frames = self.user_symbols.resolve_stack(pid, addrs, deadline=deadline, start=start)
+        # Unnamed frames as its time ran out may be named given time (those named
+        # in time, a stripped binary's, will not).
+        short = deadline is not None and time.monotonic() >= deadline
         if cut and not (frames and frames[-1].name == MARK_TRUNCATED):
             frames = (*frames, Frame(name=MARK_TRUNCATED))
         complete = not any(f.unknown for f in frames) or (
@@ -321,7 +327,23 @@ class StackStore:
                 # budget): look again in a few intervals, not at every use. (A
                 # process already gone will not get better: not kept.)
                 self._retry[(pid, start, sid)] = self._seq + self.RETRY_INTERVALS
+                if short:
+                    self._short.add((pid, start, sid))
         return frames
+
+    def short_of_time(self, pid: int, start: int, sid: int) -> bool:
+        """Whether the frames cached for process (`pid`, `start`)'s stack `sid` lack
+        names because their resolving ran out of time."""
+        return (pid, start, sid) in self._short
+
+    def user_again(self, pid: int, start: int, sid: int, *, deadline: float
+                   ) -> tuple[tuple[Frame, ...], bool]:
+        """`user`, resolved again now (not once its retry is due) if its resolving ran
+        out of time (offtop.bpf.cut_short); and whether this one did too."""
+        key = (pid, start, sid)
+        if key in self._short:
+            self._retry[key] = self._seq
+        return self.user(pid, start, sid, deadline=deadline), key in self._short
 
     def _keep(self, pid: int, start: int, sid: int, frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
         """Cache `frames` as process (`pid`, `start`)'s stack `sid`; the tuple kept
@@ -421,6 +443,7 @@ class StackStore:
         stale = [k for k, due in self._retry.items() if due < self._seq]
         for k in stale:
             del self._retry[k]
+            self._short.discard(k)
             self._drop(*k)
         if self._seq % self.SWEEP_INTERVALS == 0:
             self._sweep_gone(start_time or self._start_time)
@@ -431,6 +454,7 @@ class StackStore:
             self._equal.clear()
             self._holders.clear()
             self._retry.clear()
+            self._short.clear()
 
     def _sweep_gone(self, start_time: Callable[[int], int | None]) -> None:
         """Drop the user frames of processes that are gone (a pid and its start
@@ -457,6 +481,7 @@ class StackStore:
         if gone and self._retry:
             dropped = set(gone)
             self._retry = {k: v for k, v in self._retry.items() if (k[0], k[1]) not in dropped}
+            self._short = {k for k in self._short if (k[0], k[1]) not in dropped}
         self._equal = {f: f for cached in self._user.values() for f in cached.values()}
 
     def _free_user_ids(self, ids: set[int]) -> None:
