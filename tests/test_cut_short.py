@@ -94,3 +94,15 @@ def test_frames_unnamed_within_the_budget_are_not_tried_again() -> None:
     pending.note(blocks[0], 7, 42)
     pending.retry(blocks, deadline=1.0)
     assert len(pending) == 0 and len(again.calls) == 1
+
+
+def test_frames_no_better_than_the_block_s_do_not_replace_them() -> None:
+    """Its process gone since, a stack resolves to the mark alone: the block keeps the
+    addresses it had."""
+    clock = FakeClock()
+    again = FakeResolver(clock, (Frame("[process gone]"),))
+    pending = CutShort(again, clock)
+    blocks = deque([block(1)])
+    pending.note(blocks[0], 7, 42)
+    pending.retry(blocks, deadline=1.0)
+    assert blocks[0].user == UNNAMED and len(pending) == 0

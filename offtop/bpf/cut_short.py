@@ -24,6 +24,10 @@ from offtop.model import Frame, LongBlock
 Again = Callable[[int, int, int, float], tuple[tuple[Frame, ...], bool]]
 
 
+def _unnamed(frames: tuple[Frame, ...]) -> int:
+    return sum(f.unknown for f in frames)
+
+
 class CutShort:
     """This interval's long blocks whose user frames the budget cut short."""
 
@@ -56,7 +60,7 @@ class CutShort:
                     continue
                 got = named[key] = self._again(block.pid, start, sid, deadline)
             user, short = got
-            if user != block.user:
+            if _unnamed(user) < _unnamed(block.user):  # (a process gone since: not worse)
                 renamed[id(block)] = block = dataclasses.replace(block, user=user)
             if short:
                 left.append((block, start, sid))
