@@ -113,9 +113,9 @@ class StackStore:
         # One tuple for each distinct user stack cached: the processes of one program
         # resolve equal stacks under ids of their own (rebuilt at each sweep).
         self._equal: dict[tuple[Frame, ...], tuple[Frame, ...]] = {}
-        self._retry: dict[tuple[int, int, int], int] = {}  # (pid, start, id) -> interval to look again
-        # Of those, the ones whose resolving ran out of time (`user_again`).
-        self._short: set[tuple[int, int, int]] = set()
+        # (pid, start, id) -> (the interval to look again, whether its resolving ran
+        # out of time: `user_again`).
+        self._retry: dict[tuple[int, int, int], tuple[int, bool]] = {}
         self._dead_ids: set[int] = set()  # user ids of processes gone at the last sweep
         self._fresh: dict[int, bytes] = {}  # user id -> its frames, packed, as the probe sent them
         self._copies: dict[int, StackCopy] = {}  # user id -> its stack's top (offer_copies)
@@ -268,10 +268,9 @@ class StackStore:
         if frames is not None:
             key = (pid, start, sid)
             retry = self._retry.get(key)
-            if retry is None or self._seq < retry:
+            if retry is None or self._seq < retry[0]:
                 return frames
             del self._retry[key]
-            self._short.discard(key)
         raw = self._fresh.pop(sid, None)
         addrs = self._maps.stack("u", sid) if raw is None else record_addresses(raw)
         if addrs is None:
@@ -326,24 +325,22 @@ class StackStore:
                 # A miss may resolve later (a library not read yet, a time
                 # budget): look again in a few intervals, not at every use. (A
                 # process already gone will not get better: not kept.)
-                self._retry[(pid, start, sid)] = self._seq + self.RETRY_INTERVALS
-                if short:
-                    self._short.add((pid, start, sid))
+                self._retry[(pid, start, sid)] = (self._seq + self.RETRY_INTERVALS, short)
         return frames
 
     def short_of_time(self, pid: int, start: int, sid: int) -> bool:
         """Whether the frames cached for process (`pid`, `start`)'s stack `sid` lack
         names because their resolving ran out of time."""
-        return (pid, start, sid) in self._short
+        retry = self._retry.get((pid, start, sid))
+        return retry is not None and retry[1]
 
     def user_again(self, pid: int, start: int, sid: int, *, deadline: float
                    ) -> tuple[tuple[Frame, ...], bool]:
         """`user`, resolved again now (not once its retry is due) if its resolving ran
         out of time (offtop.bpf.cut_short); and whether this one did too."""
-        key = (pid, start, sid)
-        if key in self._short:
-            self._retry[key] = self._seq
-        return self.user(pid, start, sid, deadline=deadline), key in self._short
+        if self.short_of_time(pid, start, sid):
+            self._retry[(pid, start, sid)] = (self._seq, True)
+        return self.user(pid, start, sid, deadline=deadline), self.short_of_time(pid, start, sid)
 
     def _keep(self, pid: int, start: int, sid: int, frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
         """Cache `frames` as process (`pid`, `start`)'s stack `sid`; the tuple kept
@@ -440,10 +437,9 @@ class StackStore:
         again belong to processes that are gone, most likely: dropped.
         `start_time`: the interval's reader of start times, if not this object's.
         """
-        stale = [k for k, due in self._retry.items() if due < self._seq]
+        stale = [k for k, (due, _short) in self._retry.items() if due < self._seq]
         for k in stale:
             del self._retry[k]
-            self._short.discard(k)
             self._drop(*k)
         if self._seq % self.SWEEP_INTERVALS == 0:
             self._sweep_gone(start_time or self._start_time)
@@ -454,7 +450,6 @@ class StackStore:
             self._equal.clear()
             self._holders.clear()
             self._retry.clear()
-            self._short.clear()
 
     def _sweep_gone(self, start_time: Callable[[int], int | None]) -> None:
         """Drop the user frames of processes that are gone (a pid and its start
@@ -481,7 +476,6 @@ class StackStore:
         if gone and self._retry:
             dropped = set(gone)
             self._retry = {k: v for k, v in self._retry.items() if (k[0], k[1]) not in dropped}
-            self._short = {k for k in self._short if (k[0], k[1]) not in dropped}
         self._equal = {f: f for cached in self._user.values() for f in cached.values()}
 
     def _free_user_ids(self, ids: set[int]) -> None:
