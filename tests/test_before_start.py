@@ -18,8 +18,9 @@ from offtop.bpf.decode import StartRecord
 class FakeProbe:
     """Records seeded records; `recorded` are the threads it already has a record of."""
 
-    def __init__(self, recorded: set[int]) -> None:
+    def __init__(self, recorded: set[int], took: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         self.recorded = recorded
+        self.took = took  # seeds the program took before they could be taken back
         self.seeded: dict[int, StartRecord] = {}
         self.bulk_reads = 0
 
@@ -31,8 +32,10 @@ class FakeProbe:
         self.seeded[tid] = rec
         return True
 
-    def unseed(self, tid: int, ts: int) -> None:
-        self.seeded.pop(tid, None)
+    def unseed(self, tid: int, ts: int) -> bool:
+        if tid in self.took:
+            return False
+        return self.seeded.pop(tid, None) is not None
 
 
 @pytest.fixture
@@ -66,3 +69,23 @@ def test_threads_blocked_before_the_start_are_seeded_but_those_the_probe_has(sle
     assert any(f.name == "hrtimer_nanosleep" for f in a.kernel)
     # One pool's threads wait in the same place: one tuple of frames for all of them.
     assert a.kernel is b.kernel
+
+
+def test_a_seed_the_probe_took_keeps_its_frames_one_taken_back_does_not(
+        sleepers: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads that ran between their seeding and the check after it (a fake
+    exec_start, moved for all): a seed taken back is forgotten; one the program
+    took first began a block that ended meanwhile, summed as from before the start,
+    which keeps its frames (else its row had none at all)."""
+    import offtop.bpf.before_start as before_start
+
+    monkeypatch.setattr(before_start, "exec_start_ns", lambda pid, tid: -1)
+    took, *taken_back = sleepers
+    probe = FakeProbe(recorded=set(), took={took})
+    before = BeforeStart(probe, states="SD", kthreads=False, user_stacks=True,
+                         accept=lambda pid, tid: pid in sleepers)
+    assert before.seed() == 1
+    assert sorted(probe.seeded) == [took]
+    kept = before.pop(took)
+    assert kept is not None and any(f.name == "hrtimer_nanosleep" for f in kept.kernel)
+    assert all(before.pop(tid) is None for tid in taken_back)

@@ -32,8 +32,8 @@ class Seeding(Protocol):
         """Give a thread a record unless it has one; True if written."""
         ...
 
-    def unseed(self, tid: int, ts: int) -> None:
-        """Take a seeded record back if it still holds `ts`."""
+    def unseed(self, tid: int, ts: int) -> bool:
+        """Take a seeded record back if it still holds `ts`; False if it no longer does."""
         ...
 
 
@@ -93,8 +93,10 @@ class BeforeStart:
                 self._blocks[t.tid] = Before(ts, kernel, t.pid)
                 seeded.append((t, ts))
         for t, ts in seeded:
-            if exec_start_ns(t.pid, t.tid) != t.exec_start:
-                self._probe.unseed(t.tid, ts)
+            # Its frames stay if the program took the seed: the block it began, from
+            # before the start, ended meanwhile and is summed under it, as one whose
+            # frames are these (taken away, its row had none at all).
+            if exec_start_ns(t.pid, t.tid) != t.exec_start and self._probe.unseed(t.tid, ts):
                 self._blocks.pop(t.tid, None)
         return len(self._blocks)
 

@@ -387,12 +387,15 @@ class Probe:
         raw = self._map("offcpu_start").lookup(_U32.pack(tid))
         return StartRecord.from_buffer_copy(raw) if raw is not None else None
 
-    def unseed(self, tid: int, ts: int) -> None:
-        """Remove a seeded record that still holds `ts` (the thread ran meanwhile)."""
+    def unseed(self, tid: int, ts: int) -> bool:
+        """Remove a seeded record that still holds `ts` (the thread ran meanwhile); False
+        if it no longer did (the program took it: the block it began was counted)."""
         table = self._map("offcpu_start")
         raw = table.lookup(_U32.pack(tid))
         if raw is not None and StartRecord.from_buffer_copy(raw).ts == ts:
             table.delete(_U32.pack(tid))
+            return True
+        return False
 
     # --- reading ----------------------------------------------------------------
 
