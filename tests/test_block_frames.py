@@ -12,6 +12,7 @@ from typing import Any
 
 from offtop.bpf.before_start import Before
 from offtop.bpf.block_frames import BlockFrames
+from offtop.bpf.blocked import Blocked
 from offtop.bpf.unwound import UnwoundStacks
 from offtop.model import Frame
 from offtop.unwind import StopReason, UnwindResult
@@ -285,3 +286,73 @@ def test_a_process_gone_gets_its_kept_frames_else_is_resolved_as_gone(monkeypatc
     assert store.resolved == []  # found kept: nothing resolved
     assert frames.user(7, 2, None) == (Frame("resolved-7-0-2"),)
     assert store.resolved == [(7, 0, 2)]
+
+
+class FakeResolvingStore:
+    """A stack store that holds nothing until asked to resolve: `whole_ids` resolve
+    to stacks that reach their end, the others to a cut one."""
+
+    def __init__(self, whole_ids: set[int]) -> None:
+        self.whole_ids = whole_ids
+        self.cached: dict[int, tuple[Frame, ...]] = {}
+
+    def final(self, pid: int, start: int, sid: int) -> bool:
+        return sid in self.cached
+
+    def whole(self, pid: int, start: int, sid: int) -> bool:
+        return sid in self.cached and sid in self.whole_ids
+
+    def user(self, pid: int, start: int, sid: int, *, deadline: float | None = None
+             ) -> tuple[Frame, ...]:
+        if sid not in self.cached:
+            self.cached[sid] = ((Frame(f"whole-{sid}"),) if sid in self.whole_ids
+                                else (Frame(f"cut-{sid}"), Frame("[stack truncated]")))
+        return self.cached[sid]
+
+    def kernel(self, sid: int) -> tuple[Frame, ...]:
+        return (Frame("schedule", "kernel", True),)
+
+
+class FakeBlockedReader:
+    def __init__(self, rows: list[Blocked]) -> None:
+        self.rows = rows
+
+    def read(self) -> tuple[list[Blocked], set[tuple[str, int]]]:
+        return self.rows, set()
+
+
+class FakeUnwoundCalls:
+    """Records which threads were unwound; knows none of them."""
+
+    def __init__(self) -> None:
+        self.unwound: list[int] = []
+
+    def new_pass(self) -> None:
+        pass
+
+    def unwind(self, pid: int, tid: int, ts: int, ubp: int, until: float) -> bool:
+        self.unwound.append(tid)
+        return False
+
+    def trim(self) -> None:
+        pass
+
+
+def test_a_blocked_thread_s_new_stack_is_resolved_before_any_unwinding(monkeypatch: Any) -> None:
+    """Unwinding a blocked thread (~0.4 ms) is for stacks the probe could not walk
+    whole. A stack new since the last look is resolved first: whole, the thread is
+    not unwound (on a busy server, ten a snapshot were, each for nothing)."""
+    import offtop.bpf.block_frames as module
+
+    monkeypatch.setattr(module, "task_start_time", lambda pid: 100)
+    monkeypatch.setattr(module, "_comm_of", lambda pid, tid: "fake")
+    frames = BlockFrames(FakeBeforeStart([]))  # type: ignore[arg-type]
+    frames.stacks = FakeResolvingStore(whole_ids={1})  # type: ignore[assignment]
+    unwound = FakeUnwoundCalls()
+    frames.unwound = unwound  # type: ignore[assignment]
+    rows = [Blocked(tid=71, pid=7, state=1, waited_ns=10**9, ustack=1, kstack=3, ts=5, ubp=0),
+            Blocked(tid=72, pid=7, state=1, waited_ns=10**9, ustack=2, kstack=3, ts=6, ubp=0)]
+    shown, _live = frames.blocked_now(FakeBlockedReader(rows), lambda pid, tid: True,  # type: ignore[arg-type]
+                                      symbol_budget_s=1.0, unwind_budget_s=1.0)
+    assert unwound.unwound == [72]  # only the stack the probe walked cut short
+    assert [b.user[0].name for b in shown] == ["whole-1", "cut-2"]
