@@ -281,3 +281,24 @@ def test_recent_get_many_finds_both_generations_and_keeps_what_it_found() -> Non
     assert kept.get_many([3, 1, 9, 3]) == ["three", "one", None, "three"]
     kept.rotate()  # 2 was not asked for over a generation: gone; 1 and 3 stay
     assert kept.get_many([1, 2, 3]) == ["one", None, "three"]
+
+
+def test_a_waker_not_final_is_resolved_once_an_interval(rig: Any) -> None:
+    """The threads of a process that exits are woken by its main thread: their rows,
+    read once it is gone, share one raw waker whose stack nothing keeps (its
+    process is gone). It is resolved once for all of them, and again at the next
+    interval (it may be named better then), not once a row."""
+    GONE = PID + 2  # no start time: gone before the read
+    by_gone = (GONE, GONE, 7, 1, 1 << 24, b"exiting")
+    resolve(rig)  # the rows' own stack, resolved and kept
+    first, final = rig.rows.waker(by_gone)
+    assert not final and first is not None and first.comm == "exiting"
+    calls = rig.usyms.calls
+    for tid in (PID + 10, PID + 11, PID + 12):
+        w, final = rig.rows.resolve(PID, tid, 1, 7, 1, by_gone, float("inf"))[3:6:2]
+        assert w is first and not final
+    assert rig.usyms.calls == calls  # the waker's stack was not resolved again
+    rig.rows.next_interval()
+    again, final = rig.rows.waker(by_gone)
+    assert again == first and not final
+    assert rig.usyms.calls == calls + 1  # resolved afresh in the next interval
