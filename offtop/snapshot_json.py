@@ -504,7 +504,7 @@ def _stack(s: JsonObject, table: FrameTable) -> StackRow:
                     state=s.text("state"), offcpu_ns=s.count("offcpu_ns"),
                     count=s.count("count"), max_ns=s.count("max_ns", 0),
                     before_start=s.flag("before_start", False),
-                    wakers=tuple(_waker_row(w, table) for w in s.rows("wakers")),
+                    waker_rows=tuple(_waker_row(w, table) for w in s.rows("wakers")),
                     kernel=_frames(s, True, table), user=_frames(s, False, table))
 
 

@@ -378,6 +378,33 @@ def test_a_stacks_blocks_are_summed_by_waker_whatever_their_order() -> None:
     assert build(Aggregator(), [s(11, 5), s(11, 6)]).stacks[0].wakers == ()
 
 
+def test_a_build_makes_its_stacks_wakers_into_rows_only_when_asked() -> None:
+    """A busy server's build has ~10,000 stacks, each with its wakers; the screen
+    shows one stack's. They are summed at the build (the engine's rows change after
+    it) and made into rows when asked: the build itself leaves no waker row for
+    the GC to walk. Such a row equals one given its wakers whole."""
+    from offtop.model import Waker, WakerRow
+
+    timer, a = Waker(0, 0, "", "timer"), Waker(10, 12, "a")
+    samples = [dataclasses.replace(s(100 + i, 1000 + i, user=(Frame(f"f{i}", "wl"),)),
+                                   waker=timer if i % 2 else a) for i in range(2000)]
+    samples.append(dataclasses.replace(s(100, 5), waker=timer))  # a second waker for one stack
+    gc.collect()
+    before = sum(1 for o in gc.get_objects() if isinstance(o, WakerRow))
+    snap = build(Aggregator(), samples)
+    assert sum(1 for o in gc.get_objects() if isinstance(o, WakerRow)) == before
+    samples[1] = dataclasses.replace(samples[1], offcpu_ns=1)  # what the build saw is kept
+    by_user = {r.user[0].name: r for r in snap.stacks}
+    assert by_user["f1"].wakers == (WakerRow(timer, 1001, 1),)
+    assert by_user["f0"].wakers == (WakerRow(a, 1000, 1),)
+    [both] = [r for r in snap.stacks if r.tid == 100 and r.user == U]
+    assert both.wakers == (WakerRow(timer, 5, 1),)
+    whole = StackRow(both.pid, both.tid, both.comm, both.state, both.offcpu_ns, both.count,
+                     both.max_ns, both.kernel, both.user, waker_rows=(WakerRow(timer, 5, 1),))
+    assert whole == both and hash(whole) == hash(both)
+    assert whole != dataclasses.replace(whole, waker_rows=(WakerRow(timer, 6, 1),))
+
+
 def test_a_stack_cap_keeps_the_top_rows_and_counts_the_rest() -> None:
     """Batch output that prints the top N asks for N rows: the others are counted,
     in the snapshot and in JSON (also read back), never dropped silently."""

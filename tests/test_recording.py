@@ -249,7 +249,7 @@ def rich_snapshot() -> Snapshot:
         processes=(ProcessRow(1, "app", 2, 900, 3, 400, {"S": 900}, 5000, 1, "root",
                               "app --serve"),),
         stacks=(StackRow(1, 2, "app", "S", 900, 3, 400, K, U, before_start=True,
-                         wakers=(WakerRow(WAKER, 600, 2),)),),
+                         waker_rows=(WakerRow(WAKER, 600, 2),)),),
         long_blocks=(LongBlock(1_700_000_003.5, 1, 2, "app", "S", 600_000_000, K, U, 77,
                                before_start=True, waker=WAKER),),
         blocked_now=(BlockedNow(1, 2, "app", "D", 9_000_000, K, U, before_start=True),),

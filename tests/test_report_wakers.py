@@ -12,7 +12,7 @@ def _stack(wakers: tuple[WakerRow, ...]) -> StackRow:
     return StackRow(pid=1, tid=2, comm="reader", state="S", offcpu_ns=10_000_000, count=4,
                     max_ns=3_000_000, kernel=(Frame("schedule", "kernel", K),
                                               Frame("pipe_read", "kernel", K)),
-                    user=(Frame("read", "libc.so.6"), Frame("main", "app")), wakers=wakers)
+                    user=(Frame("read", "libc.so.6"), Frame("main", "app")), waker_rows=wakers)
 
 
 WRITER = Waker(pid=1, tid=3, comm="writer", kernel=(Frame("try_to_wake_up", "kernel", K),

@@ -74,7 +74,7 @@ class Scope:
         row = StackRow(pid=block.pid, tid=block.tid, comm=block.comm, state=block.state,
                        offcpu_ns=ns, count=1, max_ns=ns, kernel=block.kernel, user=block.user,
                        before_start=block.before_start,
-                       wakers=(WakerRow(waker, ns, 1),) if waker is not None else ())
+                       waker_rows=(WakerRow(waker, ns, 1),) if waker is not None else ())
         label = ("blocked now" if isinstance(block, BlockedNow)
                  else f"long block that ended at {clock_time(block.time, millis=True)}")
         return cls("block", block=row, label=label)
