@@ -299,13 +299,13 @@ class StackRow:
     #: Who ended these blocks, most off-CPU time first (see `wakers`).
     waker_rows: tuple[WakerRow, ...] = ()
     waker_sums: WakerSums | None = None
-    group: int = -1
+    waker_slot: int = -1  #: the row's place in `waker_sums`
 
     @property
     def wakers(self) -> tuple[WakerRow, ...]:
         """Who ended these blocks, most off-CPU time first."""
         sums = self.waker_sums
-        return self.waker_rows if sums is None else sums.rows(self.group)
+        return self.waker_rows if sums is None else sums.rows(self.waker_slot)
 
     def _said(self) -> tuple[Any, ...]:
         return (self.pid, self.tid, self.comm, self.state, self.offcpu_ns, self.count,
@@ -779,11 +779,11 @@ class Aggregator:
         ranked = sorted(kept, key=lambda g: (-g_ns[g], g_first[g].tid, g_first[g].state))[:keep]  # type: ignore[union-attr]
         wakers = WakerSums(n_groups, ranked, rows)
         stack_rows = []
-        for g in ranked:
+        for i, g in enumerate(ranked):
             f = g_first[g]
             assert f is not None
             stack_rows.append(StackRow(f.pid, f.tid, f.comm, f.state, g_ns[g], g_count[g], g_max[g],
-                                       f.kernel, f.user, f.before_start, (), wakers, g))
+                                       f.kernel, f.user, f.before_start, (), wakers, i))
         return Snapshot(
             seq=seq,
             time=time,
@@ -849,24 +849,27 @@ class WakerSums:
     """The wakers of the groups a build makes rows of (`Aggregator.build_grouped`),
     summed from `rows` by equality, in the order they came: the first inline (most
     stacks have one: no dict, no hash of it), all of them in a dict once another
-    comes. Made into rows when a stack's are asked for (`StackRow.wakers`); what
-    is summed holds no object of its own but a dict per stack with two wakers or
-    more, so that the build's ~10,000 stacks cost the GC next to nothing here."""
+    comes. Made into rows when a stack's are asked for (`StackRow.wakers`, by its
+    slot: its group's place in `kept`). What is summed holds no object of its own
+    but a dict per stack with two wakers or more, so that the build's ~10,000
+    stacks cost the GC next to nothing here; and little memory (a reference and
+    two 64-bit cells a stack), since a row kept past its snapshot keeps it all."""
 
-    def __init__(self, n_groups: int, kept: Iterable[int], rows: Iterable[GroupedSample]) -> None:
-        wanted = bytearray(n_groups)
-        for g in kept:
-            wanted[g] = 1
-        first: list[Any] = [None] * n_groups  # a Waker, None or _MANY_WAKERS
-        ns_of = [0] * n_groups
-        count_of = [0] * n_groups
+    def __init__(self, n_groups: int, kept: Sequence[int], rows: Iterable[GroupedSample]) -> None:
+        slot_of = [-1] * n_groups
+        for i, g in enumerate(kept):
+            slot_of[g] = i
+        n = len(kept)
+        first: list[Any] = [None] * n  # a Waker, None or _MANY_WAKERS
+        ns_of = [0] * n
+        count_of = [0] * n
         many: dict[int, dict[Waker, list[int]]] = {}
         for r in rows:
             w = r.waker
             if w is None:
                 continue
-            g = r.group
-            if not wanted[g]:
+            g = slot_of[r.group]
+            if g < 0:
                 continue
             cur = first[g]
             if cur is w:  # the same object: the engine reuses its wakers
@@ -889,10 +892,11 @@ class WakerSums:
                 else:
                     sums[0] += r.offcpu_ns
                     sums[1] += r.count
-        self._first, self._ns, self._count, self._many = first, ns_of, count_of, many
+        self._first, self._many = first, many
+        self._ns, self._count = array("q", ns_of), array("q", count_of)
 
     def rows(self, g: int) -> tuple[WakerRow, ...]:
-        """Group `g`'s wakers, most off-CPU time first."""
+        """The wakers of the group in slot `g`, most off-CPU time first."""
         by_waker = self._many.get(g)
         if by_waker is not None:
             return _waker_rows(by_waker)
