@@ -777,13 +777,15 @@ class Aggregator:
             cut = heapq.nlargest(keep, [g_ns[g] for g in order])[-1] if keep > 0 else -1
             kept = [g for g in order if g_ns[g] >= cut]
         ranked = sorted(kept, key=lambda g: (-g_ns[g], g_first[g].tid, g_first[g].state))[:keep]  # type: ignore[union-attr]
-        wakers = WakerSums(n_groups, ranked, rows)
+        wakers = sum_wakers(n_groups, ranked, rows)
+        chunk = WakerSums.CHUNK
         stack_rows = []
         for i, g in enumerate(ranked):
             f = g_first[g]
             assert f is not None
             stack_rows.append(StackRow(f.pid, f.tid, f.comm, f.state, g_ns[g], g_count[g], g_max[g],
-                                       f.kernel, f.user, f.before_start, (), wakers, i))
+                                       f.kernel, f.user, f.before_start, (), wakers[i // chunk],
+                                       i % chunk))
         return Snapshot(
             seq=seq,
             time=time,
@@ -846,62 +848,83 @@ _MANY_WAKERS = object()
 
 
 class WakerSums:
-    """The wakers of the groups a build makes rows of (`Aggregator.build_grouped`),
-    summed from `rows` by equality, in the order they came: the first inline (most
-    stacks have one: no dict, no hash of it), all of them in a dict once another
-    comes. Made into rows when a stack's are asked for (`StackRow.wakers`, by its
-    slot: its group's place in `kept`). What is summed holds no object of its own
-    but a dict per stack with two wakers or more, so that the build's ~10,000
-    stacks cost the GC next to nothing here; and little memory (a reference and
-    two 64-bit cells a stack), since a row kept past its snapshot keeps it all."""
+    """The wakers of up to `CHUNK` stacks of a build (`sum_wakers`), each by its slot
+    here, made into rows when a stack's are asked for (`StackRow.wakers`): the
+    first waker inline (most stacks have one), all of them in a dict once another
+    came. A build's ~10,000 stacks hold no object of their own here but a dict per
+    stack with two wakers or more, so that they cost the GC next to nothing, and a
+    row kept past its snapshot keeps its own chunk only (a reference and two 64-bit
+    cells a stack): rows of old snapshots wait in cyclic garbage for the full pass,
+    ~15 builds' in the TUI on a busy server, and each kept a whole build's sums."""
 
-    def __init__(self, n_groups: int, kept: Sequence[int], rows: Iterable[GroupedSample]) -> None:
-        slot_of = [-1] * n_groups
-        for i, g in enumerate(kept):
-            slot_of[g] = i
-        n = len(kept)
-        first: list[Any] = [None] * n  # a Waker, None or _MANY_WAKERS
-        ns_of = [0] * n
-        count_of = [0] * n
-        many: dict[int, dict[Waker, list[int]]] = {}
-        for r in rows:
-            w = r.waker
-            if w is None:
-                continue
-            g = slot_of[r.group]
-            if g < 0:
-                continue
-            cur = first[g]
-            if cur is w:  # the same object: the engine reuses its wakers
-                ns_of[g] += r.offcpu_ns
-                count_of[g] += r.count
-            elif cur is None:
-                first[g], ns_of[g], count_of[g] = w, r.offcpu_ns, r.count
-            else:
-                by_waker = many.get(g)
-                if by_waker is None:
-                    if cur == w:
-                        ns_of[g] += r.offcpu_ns
-                        count_of[g] += r.count
-                        continue
-                    by_waker = many[g] = {cur: [ns_of[g], count_of[g]]}
-                    first[g] = _MANY_WAKERS  # summed in the dict from here
-                sums = by_waker.get(w)
-                if sums is None:
-                    by_waker[w] = [r.offcpu_ns, r.count]
-                else:
-                    sums[0] += r.offcpu_ns
-                    sums[1] += r.count
-        self._first, self._many = first, many
-        self._ns, self._count = array("q", ns_of), array("q", count_of)
+    CHUNK = 256
 
-    def rows(self, g: int) -> tuple[WakerRow, ...]:
-        """The wakers of the group in slot `g`, most off-CPU time first."""
-        by_waker = self._many.get(g)
+    def __init__(self, first: list[Any], ns: array[int], count: array[int],
+                 many: dict[int, dict[Waker, list[int]]]) -> None:
+        self._first, self._ns, self._count, self._many = first, ns, count, many
+
+    def __len__(self) -> int:
+        """Stacks whose wakers are here."""
+        return len(self._first)
+
+    def rows(self, slot: int) -> tuple[WakerRow, ...]:
+        """The wakers of the stack in `slot`, most off-CPU time first."""
+        by_waker = self._many.get(slot)
         if by_waker is not None:
             return _waker_rows(by_waker)
-        w = self._first[g]
-        return (WakerRow(w, self._ns[g], self._count[g]),) if w is not None else ()
+        w = self._first[slot]
+        return (WakerRow(w, self._ns[slot], self._count[slot]),) if w is not None else ()
+
+
+def sum_wakers(n_groups: int, kept: Sequence[int],
+               rows: Iterable[GroupedSample]) -> list[WakerSums]:
+    """The wakers of the groups a build makes rows of (`Aggregator.build_grouped`: the
+    groups in `kept`, each numbered below `n_groups`), summed from `rows` by equality
+    in the order they came; group `kept[i]`'s are in chunk `i // CHUNK`, at slot
+    `i % CHUNK`. Summed at the build: the engine's rows change after it."""
+    slot_of = [-1] * n_groups
+    for i, g in enumerate(kept):
+        slot_of[g] = i
+    n = len(kept)
+    first: list[Any] = [None] * n  # a Waker, None or _MANY_WAKERS
+    ns_of = [0] * n
+    count_of = [0] * n
+    many: dict[int, dict[Waker, list[int]]] = {}
+    for r in rows:
+        w = r.waker
+        if w is None:
+            continue
+        g = slot_of[r.group]
+        if g < 0:
+            continue
+        cur = first[g]
+        if cur is w:  # the same object: the engine reuses its wakers
+            ns_of[g] += r.offcpu_ns
+            count_of[g] += r.count
+        elif cur is None:
+            first[g], ns_of[g], count_of[g] = w, r.offcpu_ns, r.count
+        else:
+            by_waker = many.get(g)
+            if by_waker is None:
+                if cur == w:
+                    ns_of[g] += r.offcpu_ns
+                    count_of[g] += r.count
+                    continue
+                by_waker = many[g] = {cur: [ns_of[g], count_of[g]]}
+                first[g] = _MANY_WAKERS  # summed in the dict from here
+            sums = by_waker.get(w)
+            if sums is None:
+                by_waker[w] = [r.offcpu_ns, r.count]
+            else:
+                sums[0] += r.offcpu_ns
+                sums[1] += r.count
+    size = WakerSums.CHUNK
+    chunk_many: list[dict[int, dict[Waker, list[int]]]] = [{} for _ in range(0, n, size)]
+    for g, by_waker in many.items():
+        chunk_many[g // size][g % size] = by_waker
+    return [WakerSums(first[lo:lo + size], array("q", ns_of[lo:lo + size]),
+                      array("q", count_of[lo:lo + size]), chunk_many[lo // size])
+            for lo in range(0, n, size)]
 
 
 def _waker_rows(by_waker: Mapping[Waker, list[int]] | None) -> tuple[WakerRow, ...]:

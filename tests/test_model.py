@@ -383,7 +383,7 @@ def test_a_build_makes_its_stacks_wakers_into_rows_only_when_asked() -> None:
     shows one stack's. They are summed at the build (the engine's rows change after
     it) and made into rows when asked: the build itself leaves no waker row for
     the GC to walk. Such a row equals one given its wakers whole."""
-    from offtop.model import Waker, WakerRow
+    from offtop.model import Waker, WakerRow, WakerSums
 
     timer, a = Waker(0, 0, "", "timer"), Waker(10, 12, "a")
     samples = [dataclasses.replace(s(100 + i, 1000 + i, user=(Frame(f"f{i}", "wl"),)),
@@ -403,6 +403,10 @@ def test_a_build_makes_its_stacks_wakers_into_rows_only_when_asked() -> None:
                      both.max_ns, both.kernel, both.user, waker_rows=(WakerRow(timer, 5, 1),))
     assert whole == both and hash(whole) == hash(both)
     assert whole != dataclasses.replace(whole, waker_rows=(WakerRow(timer, 6, 1),))
+    # A row kept past its snapshot keeps the sums of a few stacks, not of all 2,001.
+    assert both.waker_sums is not None and 0 < len(both.waker_sums) <= WakerSums.CHUNK
+    assert sum({id(r.waker_sums): len(r.waker_sums) for r in snap.stacks
+                if r.waker_sums is not None}.values()) == len(snap.stacks)
 
 
 def test_a_stack_cap_keeps_the_top_rows_and_counts_the_rest() -> None:
