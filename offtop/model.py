@@ -278,7 +278,7 @@ class StackRow:
     """Off-CPU time of one task in one state at one (kernel, user) callchain.
 
     Its wakers (`wakers`) are given whole (`waker_rows`), or as where a build
-    summed them (`waker_sums`, by the row's `group` there) and made into rows
+    summed them (`waker_sums`, at the row's `waker_slot` there) and made into rows
     when asked: a busy server's snapshot has ~10,000 stacks, the screen shows
     the wakers of one, and each stack's rows made at every build were ~20,000
     objects a second for the GC to walk. Rows are equal when what they say is

@@ -227,9 +227,10 @@ class BlockFrames:
                 continue
             before = bool(b.state & ST_BEFORE_START)
             unwound_known = False
-            stacks = self.stacks
-            if stacks is not None and not before and not hurried and b.ustack >= 0 \
-                    and not stacks.final(b.pid, self.start_of(b.pid), b.ustack):
+            stacks = None if before else self.stacks
+            start = self.start_of(b.pid) if stacks is not None else 0
+            if stacks is not None and not hurried and b.ustack >= 0 \
+                    and not stacks.final(b.pid, start, b.ustack):
                 # Resolved first (it is below, in the same budget): a stack new
                 # since the last look is most often whole, and then needs no
                 # unwinding (~0.4 ms each, ten a snapshot on a busy server).
@@ -237,8 +238,7 @@ class BlockFrames:
                     self.user(b.pid, b.ustack, symbols.deadline())
             # A stack the probe already has whole needs no unwinding (on a busy
             # server that was most of the unwinder's work, every snapshot).
-            whole = not before and stacks is not None and stacks.whole(
-                b.pid, self.start_of(b.pid), b.ustack)
+            whole = stacks is not None and stacks.whole(b.pid, start, b.ustack)
             if self.unwound is not None and not whole and not hurried:
                 with unwinding:
                     unwound_known = self.unwound.unwind(b.pid, b.tid, b.ts, b.ubp,
