@@ -383,6 +383,24 @@ def test_deleting_many_skips_keys_gone_already_wherever_they_are(new_map: Any) -
 
 
 @pytest.mark.bpf
+def test_deleting_some_stops_once_too_many_keys_were_gone_already(new_map: Any) -> None:
+    """Each key found gone costs a command of its own: past `max_gone` of them the
+    rest is left untried, and said (how many were tried), for the caller to
+    read what the map still holds first. In order, batch or one by one."""
+    for batch in (None, False):
+        m = new_map(maps.HASH, 4, 8, 4096)
+        for i in (0, 1, 3, 6, 7, 8):
+            m.update(u32(i), u64(i))
+        m.batch_ok = batch
+        asked = [u32(i) for i in range(9)]  # 2, 4 and 5 gone already
+        assert m.delete_some(asked, max_gone=2) == (3, 6)  # 0, 1, 3 went; 5 was the third gone
+        assert sorted(m.all_keys()) == [u32(6), u32(7), u32(8)]
+        assert m.delete_some(asked[5:], max_gone=2) == (3, 4)  # 5 gone; 6, 7, 8 went
+        assert m.delete_some([], max_gone=0) == (0, 0)
+        assert m.delete_some([u32(1), u32(2)]) == (0, 2)  # no bound: every key tried
+
+
+@pytest.mark.bpf
 @pytest.mark.parametrize("mtype", [maps.HASH, maps.LRU_HASH])
 def test_hash_map_operations(new_map: Any, mtype: int) -> None:
     m = new_map(mtype, 4, 8, 4096)  # an LRU map evicts early when nearly full: room enough

@@ -36,9 +36,9 @@ class FakeStackMaps:
     def stack_ids(self, kind: str) -> list[int]:
         return [sid for k, sid in self.stacks if k == kind]
 
-    def delete_stacks(self, kind: str, sids: Any) -> None:
-        for sid in sids:
-            self.stacks.pop((kind, sid), None)
+    def delete_stacks(self, kind: str, sids: Any, max_gone: int | None = None) -> tuple[int, int]:
+        freed = sum(self.stacks.pop((kind, sid), None) is not None for sid in sids)
+        return freed, len(sids)
 
 
 class FakeKernelSymbols:

@@ -21,18 +21,31 @@ class FakeStackMaps:
     def __init__(self, kernel_ids: range, user_ids: range) -> None:
         self.stacks = {("k", i): (0xFFFF0000 + i,) for i in kernel_ids}
         self.stacks.update({("u", i): (0x401000 + i,) for i in user_ids})
-        self.deleted: list[tuple[str, int]] = []
+        self.deleted: list[tuple[str, int]] = []  # ids that went
+        self.missed: list[tuple[str, int]] = []  # ids asked to go, found gone already
+        self.reads = 0  # reads of every id (`stack_ids`)
 
     def stack(self, kind: str, sid: int) -> tuple[int, ...] | None:
         return self.stacks.get((kind, sid))
 
     def stack_ids(self, kind: str) -> list[int]:
+        self.reads += 1
         return [sid for k, sid in self.stacks if k == kind]
 
-    def delete_stacks(self, kind: str, sids: Any) -> None:
-        for sid in sids:
-            self.deleted.append((kind, sid))
-            self.stacks.pop((kind, sid), None)
+    def delete_stacks(self, kind: str, sids: Any, max_gone: int | None = None) -> tuple[int, int]:
+        """As the probe's: in order, each one found gone counted, the rest left past
+        `max_gone` of them."""
+        freed = gone = 0
+        for tried, sid in enumerate(sids):
+            if max_gone is not None and gone > max_gone:
+                return freed, tried
+            if self.stacks.pop((kind, sid), None) is None:
+                self.missed.append((kind, sid))
+                gone += 1
+            else:
+                self.deleted.append((kind, sid))
+                freed += 1
+        return freed, len(sids)
 
 
 class FakeKernelSymbols:
@@ -174,25 +187,30 @@ def test_a_sweep_reads_start_times_through_the_reader_it_is_given() -> None:
 
 
 def test_a_sweep_deletes_only_the_ids_the_map_still_holds() -> None:
-    """Under churn the map's LRU evicts most dead processes' ids before a sweep,
-    and each delete of a gone id is a system call: from `PRESENT_CHECK` ids on,
-    the map's ids are read first and only those still there are deleted (the
-    others are forgotten all the same)."""
-    maps = FakeStackMaps(range(0), range(6))
-    alive = {100: 7}
-    s = user_store(maps, alive.get)
-    s.PRESENT_CHECK = 3
-    s.next_interval(1)
-    for sid in range(6):
-        assert s.user(100, 7, sid)
-    for sid in (1, 2, 4):  # evicted by the map's LRU meanwhile
-        del maps.stacks[("u", sid)]
-    del alive[100]
-    s.next_interval(5)
-    s.trim()
-    assert sorted(maps.deleted) == [("u", 0), ("u", 3), ("u", 5)]
-    assert s.stats.user_freed == 3
-    assert all(s.last_use("u", sid) is None for sid in range(6))
+    """A sweep deletes a dead process's ids as they come: those the map's LRU
+    evicted already are skipped, each at the cost of a system call of its own.
+    Past `GONE_MAX` of them (a full map under churn: most evicted), the ids the
+    map still holds are read first and only those are deleted. Either way the
+    ids are forgotten, and what went is counted."""
+    for gone_max, reads, missed in ((1, 1, [1, 2]), (3, 0, [1, 2, 4])):
+        maps = FakeStackMaps(range(0), range(6))
+        alive = {100: 7}
+        s = user_store(maps, alive.get)
+        s.GONE_MAX = gone_max
+        s.next_interval(1)
+        for sid in range(6):
+            assert s.user(100, 7, sid)
+        for sid in (1, 2, 4):  # evicted by the map's LRU meanwhile
+            del maps.stacks[("u", sid)]
+        del alive[100]
+        reads_before = maps.reads
+        s.next_interval(5)
+        s.trim()
+        assert sorted(maps.deleted) == [("u", 0), ("u", 3), ("u", 5)]
+        assert sorted(sid for _, sid in maps.missed) == missed
+        assert maps.reads - reads_before == reads
+        assert s.stats.user_freed == 3
+        assert all(s.last_use("u", sid) is None for sid in range(6))
 
 
 def test_an_id_processes_share_is_deleted_once_the_last_of_them_is_gone() -> None:

@@ -453,13 +453,20 @@ class BpfMap:
         command starts past that key in the same buffer (re-packing the rest
         per miss made a sweep of many gone keys quadratic).
         """
+        return self.delete_some(keys)[0]
+
+    def delete_some(self, keys: Sequence[bytes], max_gone: int | None = None) -> tuple[int, int]:
+        """`delete_many`, in order, stopping once more than `max_gone` keys were found
+        gone already (each costs a command of its own): (how many went, how many
+        of `keys` were tried: those past it were not)."""
         n = len(keys)
         if not n:
-            return 0
+            return 0, 0
+        limit = n if max_gone is None else max_gone
         ks = self.key_size
         buf = ct.create_string_buffer(b"".join(keys), n * ks)
         base = _addr(buf)
-        gone = 0
+        deleted = missed = 0
         at = 0  # the first key not yet tried
         while at < n and self.batch_ok is not False:
             left = n - at
@@ -467,7 +474,7 @@ class BpfMap:
             res = syscalls.bpf(syscalls.BPF_MAP_DELETE_BATCH, attr)
             if res == 0:
                 self.batch_ok = True
-                return gone + left
+                return deleted + left, n
             # A map type without the command (a stack map) fails before the
             # kernel writes the count back: it still reads `left`.
             if _unsupported(res) and attr.count in (0, left):
@@ -478,9 +485,18 @@ class BpfMap:
             self.batch_ok = True
             # It stopped at a key that was gone already: skip that one.
             done = int(attr.count)
-            gone += done
+            deleted += done
             at += done + 1
-        return gone + sum(self.delete(k) for k in keys[at:])
+            missed += 1
+            if missed > limit:
+                return deleted, at
+        while at < n and missed <= limit:
+            if self.delete(keys[at]):
+                deleted += 1
+            else:
+                missed += 1
+            at += 1
+        return deleted, at
 
     def close(self) -> None:
         """Close the fd (the kernel frees the map with its last reference)."""

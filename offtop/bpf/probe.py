@@ -19,7 +19,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -501,7 +501,11 @@ class Probe:
         """Every id in use in a stack map."""
         return [struct.unpack("<i", k)[0] for k in self._stack_table(kind).all_keys()]
 
-    def delete_stacks(self, kind: str, sids: Iterable[int]) -> None:
-        """Free stack ids (the kernel never frees a stack map's; ids already gone
-        are skipped): one batch command where the map type has them."""
-        self._stack_table(kind).delete_many([_U32.pack(sid & 0xFFFFFFFF) for sid in sids])
+    def delete_stacks(self, kind: str, sids: Sequence[int], max_gone: int | None = None
+                      ) -> tuple[int, int]:
+        """Free stack ids in order (the kernel never frees a stack map's; ids already
+        gone are skipped, each at the cost of a command of its own): one batch
+        command where the map type has them. Past `max_gone` ids found gone the
+        rest is not tried. (How many went, how many of `sids` were tried.)"""
+        return self._stack_table(kind).delete_some(
+            [_U32.pack(sid & 0xFFFFFFFF) for sid in sids], max_gone)
