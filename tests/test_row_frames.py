@@ -239,6 +239,22 @@ def test_an_interrupts_waker_is_kept_by_its_kind_and_kernel_stack(rig: Any) -> N
     assert rig.rows.kept_interrupt_waker(irq, 1) is None
 
 
+def test_a_read_of_rows_finds_interrupts_wakers_as_kept_after_one_generation_check(
+        rig: Any) -> None:
+    # `interrupt_wakers` answers as `kept_interrupt_waker` for one read of rows: ids
+    # freed before the read void what was kept (checked as it begins), and a hit
+    # does not stamp the stack (the interval's rows are, at its snapshot).
+    irq = 2 << 24 | 5
+    w, _final = rig.rows.waker((0, 0, -1, 1, irq, b""))
+    kept = rig.rows.interrupt_wakers()
+    rig.frames.stacks.next_interval(5)
+    assert kept(irq, 1) is w
+    assert kept(2 << 24 | 6, 1) is None and kept(irq, 2) is None and kept(1 << 24, 1) is None
+    assert rig.frames.stacks.last_use("k", 1) != 5
+    rig.frames.stacks.generation += 1  # ids deleted before the next read
+    assert rig.rows.interrupt_wakers()(irq, 1) is None
+
+
 def test_wakers_not_asked_for_in_a_whole_interval_are_forgotten() -> None:
     stacks = {3: (Frame("hrtimer_wakeup", kernel=True),
                   Frame("asm_sysvec_apic_timer_interrupt", kernel=True))}

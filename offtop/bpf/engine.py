@@ -734,6 +734,7 @@ class BpfSource:
         comms = self._comms
         new_keys = carried = resolved = 0
         carries = self._carry_verdicts()
+        interrupt_waker = self._rows.interrupt_wakers()
         for lo in range(0, len(keys), _STOP_CHECK_ROWS):
             # Asked once a chunk, not per row: once a stop came and its time to
             # resolve is over, or once the next sub-tick is due (offtop is
@@ -766,7 +767,7 @@ class BpfSource:
                     if row.final and carries(row):
                         if wus != row.wus or wks != row.wks:
                             # An interrupt's kept waker is found without decoding the row.
-                            w = self._rows.kept_interrupt_waker(row.what, wks)
+                            w = interrupt_waker(row.what, wks)
                             if w is not None:
                                 row.waker, row.wus, row.wks = w, wus, wks
                             else:
