@@ -201,19 +201,21 @@ def blocked_tasks(
 ) -> list[BlockedTask]:
     """Threads in one of `states` now, that `accept(pid, tid)` keeps; at most `limit`.
 
-    Stops at `deadline` (time.monotonic) with what it has.
+    Stops at `deadline` (time.monotonic) with what it has. A thread `accept` turns
+    down is not read: `offtop -p PID` on a machine of 10,000 threads read them all,
+    and its target, late in /proc's order, could be past the deadline.
     """
     want = set(states)
     out: list[BlockedTask] = []
     for pid, tid in iter_threads(proc):
         if deadline is not None and time.monotonic() > deadline:
             break
+        if not accept(pid, tid):
+            continue
         st = task_stat(pid, tid, proc)
         if st is None or st.state not in want:
             continue
         if (st.flags & PF_KTHREAD) and not kthreads:
-            continue
-        if not accept(pid, tid):
             continue
         start = exec_start_ns(pid, tid, proc)
         since = clock.to_monotonic(st.cpu, start) if start is not None else None

@@ -89,3 +89,33 @@ def test_a_seed_the_probe_took_keeps_its_frames_one_taken_back_does_not(
     kept = before.pop(took)
     assert kept is not None and any(f.name == "hrtimer_nanosleep" for f in kept.kernel)
     assert all(before.pop(tid) is None for tid in taken_back)
+
+
+def test_threads_out_of_scope_are_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`offtop -p PID` looks for its target's block from before the start in /proc
+    within a budget: the walk reads no other thread's stat (it read every thread's,
+    ~20 µs each, and a target late in /proc's order on a machine of 10,000 threads
+    could be past the deadline: its block never seeded, never counted)."""
+    from offtop import proc_tasks
+
+    read: list[tuple[int, int]] = []
+    stat = proc_tasks.task_stat
+
+    def counted(pid: int, tid: int, proc: str = "/proc") -> proc_tasks.TaskStat | None:
+        read.append((pid, tid))
+        return stat(pid, tid, proc)
+
+    monkeypatch.setattr(proc_tasks, "task_stat", counted)
+    sleeper = subprocess.Popen(["/usr/bin/sleep", "30"])
+    try:
+        deadline = time.monotonic() + 10
+        found: list[proc_tasks.BlockedTask] = []
+        while not found and time.monotonic() < deadline:
+            found = proc_tasks.blocked_tasks(
+                "S", accept=lambda pid, tid: pid == sleeper.pid, kthreads=False,
+                clock=proc_tasks.SchedClock())
+        assert [(t.pid, t.tid) for t in found] == [(sleeper.pid, sleeper.pid)]
+        assert read and {pid for pid, _tid in read} == {sleeper.pid}
+    finally:
+        sleeper.kill()
+        sleeper.wait()

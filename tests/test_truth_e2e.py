@@ -125,6 +125,20 @@ def _nontask_ns() -> list[int]:
     return out
 
 
+def _told_of(snaps: list[dict[str, Any]], tid: int) -> list[dict[str, Any]]:
+    """What each snapshot said of thread `tid` and of itself: for a failure's message."""
+    return [{"seq": s.get("seq"), "interval_s": s.get("interval_s"), "notices": s.get("notices"),
+             "finished": s.get("finished"), "threshold_ns": s.get("threshold_ns"),
+             "tasks": [t for t in s["tasks"] if t["tid"] == tid],
+             "stacks": [(x["state"], x["offcpu_ns"], x["count"], x.get("before_start"))
+                        for x in s["stacks"] if x["tid"] == tid],
+             "blocked_now": [(x["blocked_ns"], x["before_start"]) for x in s["blocked_now"]
+                             if x["tid"] == tid],
+             "stats": {k: v for k, v in s.get("stats", {}).items()
+                       if k in ("lost", "drops", "events", "stack_errors", "flood_threshold_ns")}}
+            for s in snaps]
+
+
 def test_a_block_from_before_the_start_is_counted_once_whole_and_marked() -> None:
     """Debian's `cat`, asleep reading a pipe since before offtop started, is woken
     only after offtop's first snapshot, so the block cannot end before the probe
@@ -167,7 +181,7 @@ def test_a_block_from_before_the_start_is_counted_once_whole_and_marked() -> Non
             off.wait(timeout=5)
     snaps = [json.loads(line) for line in lines if line.strip()]
     blocks = [b for s in snaps for b in s["long_blocks"] if b["tid"] == cat.pid]
-    assert len(blocks) == 1, blocks  # once, when it ends
+    assert len(blocks) == 1, (blocks, _told_of(snaps, cat.pid))  # once, when it ends
     b = blocks[0]
     assert b["before_start"]
     # Whole, from before offtop. Its start comes from the scheduler's clock,
