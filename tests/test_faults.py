@@ -725,6 +725,73 @@ def test_a_watched_pid_that_exits_keeps_its_last_blocks(bpf_available: None,
     assert counted == len(ends)
 
 
+@pytest.mark.bpf
+def test_a_watched_pid_found_gone_at_an_intervals_last_read_keeps_its_last_long_block(
+        bpf_available: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """-p PID: a long block that ended as the process exited is reported, even when
+    its event reached the ring just after the interval's last read of it and the
+    process was found gone just after that (the run ends with that snapshot: an
+    event left in the ring then was never read). The moment is made, not waited
+    for: Debian's `cat`, asleep on a pipe since before the start, is woken and
+    reaped inside the last sub-tick's check of the targets."""
+    from offtop.bpf.engine import BpfSource
+
+    r, w = os.pipe()
+    cat = subprocess.Popen(["/usr/bin/cat"], stdin=r, stdout=subprocess.DEVNULL,
+                           start_new_session=True)
+    os.close(r)
+    at_last = {"now": False, "armed": False, "done": False}
+    real_subtick = BpfSource._subtick
+
+    def subtick(self: Any, now: float, *, last: bool = False) -> None:
+        at_last["now"] = last
+        real_subtick(self, now, last=last)
+
+    monkeypatch.setattr(BpfSource, "_subtick", subtick)
+    try:
+        assert wait_until(lambda: _syscall_of(cat.pid) == "0", timeout=30), \
+            "cat never blocked in read"
+        with engine(threshold_ns=10**9, pids=(cat.pid,)) as src:
+            real_check = src.targets.check
+
+            def check() -> list[str]:
+                if at_last["now"] and at_last["armed"] and not at_last["done"]:
+                    at_last["done"] = True
+                    os.close(w)  # cat's block ends (an event) and cat exits
+                    cat.wait(timeout=30)
+                return real_check()
+
+            src.targets.check = check
+            stop = threading.Event()
+            snaps = [src.next_snapshot(0.3, stop)]
+            time.sleep(1.2)  # cat's block is past the threshold
+            at_last["armed"] = True
+            for _ in range(10):
+                snap = src.next_snapshot(0.3, stop)
+                if snap is None:
+                    break
+                snaps.append(snap)
+    finally:
+        if not at_last["done"]:
+            os.close(w)
+        cat.kill()
+        cat.wait(timeout=5)
+    assert at_last["done"], "the last sub-tick's check never ran"
+    got = [s for s in snaps if s is not None]
+    assert got[-1].finished.startswith("nothing left to watch"), got[-1:]
+    blocks = [b for s in got for b in s.long_blocks if b.tid == cat.pid]
+    assert len(blocks) == 1 and blocks[0].before_start, blocks
+    assert blocks[0].duration_ns >= 10**9, blocks
+
+
+def _syscall_of(pid: int) -> str:
+    """The first field of /proc/PID/syscall ("0": asleep in read(2) on x86-64)."""
+    try:
+        return Path(f"/proc/{pid}/syscall").read_text().split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 # --- binaries deleted or replaced ------------------------------------------------------
 
 

@@ -497,7 +497,7 @@ class BpfSource:
 
     # --- the interval loop --------------------------------------------------
 
-    def _read_ring(self) -> None:
+    def _read_ring(self) -> int:
         """Read one chunk of the perf ring and sum its events by key, raw.
 
         A chunk (`_READ_CHUNK` events), not all there is: under a flood that
@@ -511,7 +511,7 @@ class BpfSource:
         # Decoded in bulk (perf_ring.drain_unpacked): tuples in EVENT_STRUCT order.
         self._ring.drain_unpacked(raw, EVENT_STRUCT, max_records=_READ_CHUNK)
         if not raw:
-            return
+            return 0
         acc = self._event_acc
         if len(self._durations) < 65_536:  # for flood control: the rate's make-up
             self._durations.extend(r[1] for r in raw)
@@ -540,7 +540,25 @@ class BpfSource:
         self._interval.events += len(raw)
         self._subtick_events += len(raw)
         self._events_total += len(raw)
+        n = len(raw)
         raw.clear()
+        return n
+
+    def _read_ring_out(self) -> None:
+        """Read every event the ring holds now (at most its size: a flood does
+        not keep this going).
+
+        Run once targets were found gone: what they sent before they went
+        (the long block that ended as a process exited, sent as it was woken)
+        is in the ring by then, but may have come after the sub-tick's read.
+        At an interval's last sub-tick nothing would read it before the run
+        ended with "nothing left to watch", and the block was never told."""
+        assert self._ring is not None
+        # Each event takes more than its struct's bytes there.
+        chunks = -(-self._ring.data_bytes // (_READ_CHUNK * EVENT_STRUCT.size))
+        for _ in range(max(1, chunks)):
+            if self._read_ring() < _READ_CHUNK:
+                return
 
     def _read_new_stacks(self, *, see: bool = False) -> None:
         """Hand the user stacks the probe stored since the last call to the stack store.
@@ -615,6 +633,8 @@ class BpfSource:
         self.frames.new_subtick()
         self._read_ring()
         lost = self.targets.check() if self.targets.configured else []
+        if lost:
+            self._read_ring_out()
         self._read_new_stacks()
         drain = (last or now >= self._next_drain or bool(lost)
                  or self._new_since_drain >= _FLOOD_NEW)

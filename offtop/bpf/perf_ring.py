@@ -187,6 +187,11 @@ class PerfRing:
             self.close()
             raise
 
+    @property
+    def data_bytes(self) -> int:
+        """The rings' data areas, in all: the most they can hold at once."""
+        return sum(r.data_size for r in self._rings)
+
     def wait(self, timeout_s: float) -> bool:
         """Sleep until some ring has a batch ready, `wake` is called, or `timeout_s`
         passes; False if the time ran out."""
