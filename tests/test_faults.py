@@ -727,61 +727,82 @@ def test_a_watched_pid_that_exits_keeps_its_last_blocks(bpf_available: None,
 
 @pytest.mark.bpf
 def test_a_watched_pid_found_gone_at_an_intervals_last_read_keeps_its_last_long_block(
-        bpf_available: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        bpf_available: None) -> None:
     """-p PID: a long block that ended as the process exited is reported, even when
     its event reached the ring just after the interval's last read of it and the
     process was found gone just after that (the run ends with that snapshot: an
     event left in the ring then was never read). The moment is made, not waited
     for: Debian's `cat`, asleep on a pipe since before the start, is woken and
-    reaped inside the last sub-tick's check of the targets."""
-    from offtop.bpf.engine import BpfSource
+    reaped inside the targets' check of an interval of one sub-tick (length 0,
+    as a stop's last interval is)."""
+    from offtop.bpf.engine import BpfSource, EngineConfig
+    from offtop.targets import TargetWatch, task_start_time
 
     r, w = os.pipe()
     cat = subprocess.Popen(["/usr/bin/cat"], stdin=r, stdout=subprocess.DEVNULL,
                            start_new_session=True)
     os.close(r)
-    at_last = {"now": False, "armed": False, "done": False}
-    real_subtick = BpfSource._subtick
+    moment = {"armed": False, "done": False}
 
-    def subtick(self: Any, now: float, *, last: bool = False) -> None:
-        at_last["now"] = last
-        real_subtick(self, now, last=last)
+    def start_time(pid: int) -> int | None:
+        if moment["armed"] and not moment["done"]:
+            moment["done"] = True
+            os.close(w)  # cat's block ends (an event through the ring) and cat exits
+            cat.wait(timeout=30)
+        return task_start_time(pid)
 
-    monkeypatch.setattr(BpfSource, "_subtick", subtick)
     try:
         assert wait_until(lambda: _syscall_of(cat.pid) == "0", timeout=30), \
             "cat never blocked in read"
-        with engine(threshold_ns=10**9, pids=(cat.pid,)) as src:
-            real_check = src.targets.check
-
-            def check() -> list[str]:
-                if at_last["now"] and at_last["armed"] and not at_last["done"]:
-                    at_last["done"] = True
-                    os.close(w)  # cat's block ends (an event) and cat exits
-                    cat.wait(timeout=30)
-                return real_check()
-
-            src.targets.check = check
+        src = BpfSource(EngineConfig(threshold_ns=10**9, pids=(cat.pid,)),
+                        targets=TargetWatch((cat.pid,), start_time=start_time))
+        src.start()
+        try:
             stop = threading.Event()
-            snaps = [src.next_snapshot(0.3, stop)]
+            first = src.next_snapshot(0.3, stop)
             time.sleep(1.2)  # cat's block is past the threshold
-            at_last["armed"] = True
-            for _ in range(10):
-                snap = src.next_snapshot(0.3, stop)
-                if snap is None:
-                    break
-                snaps.append(snap)
+            moment["armed"] = True
+            last = src.next_snapshot(0.0, stop)
+            after = src.next_snapshot(0.3, stop)
+        finally:
+            src.close()
     finally:
-        if not at_last["done"]:
+        if not moment["done"]:
             os.close(w)
         cat.kill()
         cat.wait(timeout=5)
-    assert at_last["done"], "the last sub-tick's check never ran"
-    got = [s for s in snaps if s is not None]
-    assert got[-1].finished.startswith("nothing left to watch"), got[-1:]
-    blocks = [b for s in got for b in s.long_blocks if b.tid == cat.pid]
+    assert moment["done"], "the targets were never checked"
+    assert first is not None and last is not None
+    assert last.finished.startswith("nothing left to watch"), last
+    assert after is None  # the run is over: nothing more is read
+    blocks = [b for s in (first, last) for b in s.long_blocks if b.tid == cat.pid]
     assert len(blocks) == 1 and blocks[0].before_start, blocks
     assert blocks[0].duration_ns >= 10**9, blocks
+
+
+@pytest.mark.bpf
+def test_a_stops_last_interval_reads_everything_the_probe_sent(
+        bpf_available: None, workloads: Any) -> None:
+    """A stop's last interval (what a signal leaves unfinished) reads every event the
+    probe sent before it stopped recording: at --threshold 0 under a flood the
+    ring holds several reads' worth (~16,000 events on two CPUs), and what one
+    read left was never read. Left unread here for half a second, the ring fills;
+    after the stop's last interval, a second one finds nothing more."""
+    for _ in range(2):
+        workloads("pingrate", "100000000")  # unpaced: as fast as two threads can bounce
+    with engine(threshold_ns=0) as src:
+        stop = threading.Event()
+        first = src.next_snapshot(0.3, stop)
+        assert first is not None and first.stats.events > 0, "no flood"
+        time.sleep(0.5)  # not read meanwhile: the ring fills
+        src.hurry()
+        assert wait_until(lambda: src.probe.stopped_at < float("inf"), timeout=10), \
+            "the probe never stopped recording"
+        last = src.next_snapshot(0.0, threading.Event())
+        again = src.next_snapshot(0.0, threading.Event())
+    assert last is not None and again is not None
+    assert last.stats.events > 4096, last.stats  # more than one read's worth
+    assert again.stats.events == 0, (last.stats.events, again.stats.events)
 
 
 def _syscall_of(pid: int) -> str:
@@ -1243,10 +1264,17 @@ def test_a_hurried_engine_counts_everything_and_resolves_nothing_new(
     src.start()
     try:
         stop = threading.Event()
-        first = src.next_snapshot(0.5, stop)
-        assert first is not None
-        assert any(f.name == "offtop_wl_sleep" for st in first.stacks if st.tid == known.tid
-                   for f in st.user)
+
+        def seen(snap: Snapshot | None) -> bool:
+            assert snap is not None
+            return any(f.name == "offtop_wl_sleep" for st in snap.stacks
+                       if st.tid == known.tid for f in st.user)
+
+        # Seen before the stop: resolved in some snapshot (the first, on a quiet
+        # machine; beside CPU hogs the engine may be behind in the first ones).
+        deadline = time.monotonic() + 20
+        while not seen(src.next_snapshot(0.5, stop)):
+            assert time.monotonic() < deadline, "the known thread's stack was never resolved"
         new = workloads("sleep", "20")  # its stacks reach offtop only after the stop
         time.sleep(0.4)  # ~20 blocks of each summed in the kernel, not read yet
         src.hurry(within_s=0)

@@ -16,6 +16,7 @@ is read in bounded batches and symbolizing has a time budget per sub-tick.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 import time
@@ -182,6 +183,7 @@ class BpfSource:
         user_symbols: UserSymbols | None = None,
         process_info: ProcessInfoCache | None = None,
         ahead: AheadCompile | None = None,
+        targets: TargetWatch | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -194,7 +196,8 @@ class BpfSource:
         # `ahead`: the program's compile, begun before (offtop.bpf.probe.compile_ahead_of).
         self.probe = Probe(config, ahead=ahead, clock=clock)
         self.flood = FloodControl(config.event_budget_per_s)
-        self.targets = TargetWatch(config.pids, config.tids, config.cgroup)
+        # The -p/-t/-c targets' watch: the config's (the probe records by the config).
+        self.targets = targets or TargetWatch(config.pids, config.tids, config.cgroup)
         self._cgroup_rel = cgroup_relative(config.cgroup) if config.cgroup else "/"
         self.before = BeforeStart(self.probe, states=config.states, kthreads=config.kthreads,
                                   user_stacks=config.user_stacks, accept=self._in_scope)
@@ -552,7 +555,10 @@ class BpfSource:
         (the long block that ended as a process exited, sent as it was woken)
         is in the ring by then, but may have come after the sub-tick's read.
         At an interval's last sub-tick nothing would read it before the run
-        ended with "nothing left to watch", and the block was never told."""
+        ended with "nothing left to watch", and the block was never told.
+        And at a stop's last sub-tick, once the probe stopped recording: a
+        flood's ring holds several chunks (256 pages a CPU: ~16,000 events on
+        two CPUs), and what one read left was never read."""
         assert self._ring is not None
         # Each event takes more than its struct's bytes there.
         chunks = -(-self._ring.data_bytes // (_READ_CHUNK * EVENT_STRUCT.size))
@@ -633,7 +639,9 @@ class BpfSource:
         self.frames.new_subtick()
         self._read_ring()
         lost = self.targets.check() if self.targets.configured else []
-        if lost:
+        if lost or (last and self.probe.stopped_at < math.inf):
+            # Targets gone, or a stop's last interval (the probe recorded its last):
+            # all the ring holds is theirs (`_read_ring_out`).
             self._read_ring_out()
         self._read_new_stacks()
         drain = (last or now >= self._next_drain or bool(lost)
