@@ -197,7 +197,8 @@ class BpfSource:
         self.probe = Probe(config, ahead=ahead, clock=clock)
         self.flood = FloodControl(config.event_budget_per_s)
         # The -p/-t/-c targets' watch: the config's (the probe records by the config).
-        self.targets = targets or TargetWatch(config.pids, config.tids, config.cgroup)
+        self.targets = (targets if targets is not None
+                        else TargetWatch(config.pids, config.tids, config.cgroup))
         self._cgroup_rel = cgroup_relative(config.cgroup) if config.cgroup else "/"
         self.before = BeforeStart(self.probe, states=config.states, kthreads=config.kthreads,
                                   user_stacks=config.user_stacks, accept=self._in_scope)
