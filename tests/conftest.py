@@ -190,6 +190,14 @@ def wait_until(pred: Any, timeout: float = 5.0, step: float = 0.05) -> bool:
     return bool(pred())
 
 
+def in_read(pid: int) -> bool:
+    """`pid` is asleep in read(2) (x86-64 syscall 0, /proc/PID/syscall)."""
+    try:
+        return Path(f"/proc/{pid}/syscall").read_text().split()[0] == "0"
+    except (OSError, IndexError):
+        return False
+
+
 def remove_cgroup(d: Path, tries: int = 50) -> None:
     """rmdir a test cgroup, retrying while its last tasks are still leaving."""
     for _ in range(tries):

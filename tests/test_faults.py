@@ -40,6 +40,7 @@ from tests.conftest import (
     ROOT,
     Workload,
     build,
+    in_read,
     offtop_json,
     process_ended,
     start_workload,
@@ -752,8 +753,7 @@ def test_a_watched_pid_found_gone_at_an_intervals_last_read_keeps_its_last_long_
         return task_start_time(pid)
 
     try:
-        assert wait_until(lambda: _syscall_of(cat.pid) == "0", timeout=30), \
-            "cat never blocked in read"
+        assert wait_until(lambda: in_read(cat.pid), timeout=30), "cat never blocked in read"
         src = BpfSource(EngineConfig(threshold_ns=10**9, pids=(cat.pid,)),
                         targets=TargetWatch((cat.pid,), start_time=start_time))
         src.start()
@@ -803,14 +803,6 @@ def test_a_stops_last_interval_reads_everything_the_probe_sent(
     assert last is not None and again is not None
     assert last.stats.events > 4096, last.stats  # more than one read's worth
     assert again.stats.events == 0, (last.stats.events, again.stats.events)
-
-
-def _syscall_of(pid: int) -> str:
-    """The first field of /proc/PID/syscall ("0": asleep in read(2) on x86-64)."""
-    try:
-        return Path(f"/proc/{pid}/syscall").read_text().split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 # --- binaries deleted or replaced ------------------------------------------------------

@@ -29,7 +29,15 @@ from typing import Any
 import pytest
 
 from offtop.model import MARK_PROCESS_GONE, MARK_TRUNCATED, MARK_USER_STACK_LOST, Snapshot
-from tests.conftest import ROOT, build, offtop_json, offtop_lines, remove_cgroup, wait_until
+from tests.conftest import (
+    ROOT,
+    build,
+    in_read,
+    offtop_json,
+    offtop_lines,
+    remove_cgroup,
+    wait_until,
+)
 
 MS = 1_000_000
 
@@ -104,14 +112,6 @@ def test_debian_sleep_blocked_before_offtop_is_shown_whole_from_the_first_snapsh
         assert re.fullmatch(r"[A-Za-z_][\w.@]*|(sleep|libc\.so\.6)\+0x[0-9a-f]+", f), user
 
 
-def _in_read(pid: int) -> bool:
-    """`pid` is asleep in read(2) (x86-64 syscall 0)."""
-    try:
-        return Path(f"/proc/{pid}/syscall").read_text().split()[0] == "0"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
 def _nontask_ns() -> list[int]:
     """Per CPU, the interrupt, softirq and steal time since boot (/proc/stat, ns):
     the time the scheduler's task clock leaves out."""
@@ -153,7 +153,7 @@ def test_a_block_from_before_the_start_is_counted_once_whole_and_marked() -> Non
     os.close(r)
     off: subprocess.Popen[str] | None = None
     try:
-        assert wait_until(lambda: _in_read(cat.pid), timeout=30), "cat never blocked in read"
+        assert wait_until(lambda: in_read(cat.pid), timeout=30), "cat never blocked in read"
         t_blocked = time.monotonic_ns()
         off = offtop_lines("-p", str(cat.pid), "--threshold", "1s", "--count", "4",
                            "--interval", "1")
