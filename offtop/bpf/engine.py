@@ -541,10 +541,10 @@ class BpfSource:
                 del acc[key]
         tail = self._event_tail
         tail.extend(raw[-tail.maxlen:] if tail.maxlen else raw)
-        self._interval.events += len(raw)
-        self._subtick_events += len(raw)
-        self._events_total += len(raw)
         n = len(raw)
+        self._interval.events += n
+        self._subtick_events += n
+        self._events_total += n
         raw.clear()
         return n
 
